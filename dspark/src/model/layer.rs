@@ -1,0 +1,213 @@
+//! One Qwen3 decoder layer: weights in Hugging Face `[out, in]` layout, forward over the rows of
+//! many sequences at once.
+
+use burn::tensor::{Device, Int, Tensor};
+use dspark_kernels::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
+
+use crate::device::ComputeDtype;
+use crate::error::Result;
+use crate::kv_cache::{KvCache, SeqId};
+use crate::weights::Checkpoint;
+
+/// Geometry shared by the layers of one model.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerShape {
+    /// Residual width.
+    pub hidden: usize,
+    /// MLP inner width.
+    pub intermediate: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Per-head width.
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub eps: f64,
+}
+
+/// Weights of one decoder layer. Field names follow the checkpoint.
+#[derive(Debug, Clone)]
+pub struct DecoderLayer {
+    input_layernorm: Tensor<1>,
+    q_proj: Tensor<2>,
+    k_proj: Tensor<2>,
+    v_proj: Tensor<2>,
+    o_proj: Tensor<2>,
+    q_norm: Tensor<1>,
+    k_norm: Tensor<1>,
+    post_attention_layernorm: Tensor<1>,
+    gate_proj: Tensor<2>,
+    up_proj: Tensor<2>,
+    down_proj: Tensor<2>,
+    shape: LayerShape,
+}
+
+/// Where one sequence's rows sit in a batched forward.
+#[derive(Debug, Clone)]
+pub(crate) struct SeqRows {
+    pub seq: SeqId,
+    /// Rows of this sequence within the batch.
+    pub rows: std::ops::Range<usize>,
+    /// Position of the first new row (= cached length before the forward).
+    pub start: usize,
+    /// Physical cache rows of positions `0..start + rows.len()`.
+    pub index: Tensor<1, Int>,
+}
+
+/// `x · Wᵀ` for a weight stored `[out, in]`.
+pub(crate) fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    x.matmul(weight.clone().transpose())
+}
+
+impl DecoderLayer {
+    /// Load the tensors under `prefix` (e.g. `model.layers.3.`).
+    ///
+    /// # Errors
+    /// Missing tensors or wrong shapes, naming the tensor and file.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        shape: LayerShape,
+        dtype: ComputeDtype,
+        device: &Device,
+        mut loaded: impl FnMut(&str),
+    ) -> Result<Self> {
+        let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
+        let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Tensor<2>> {
+            let full = format!("{prefix}{name}");
+            let t = ckpt.load(&full, dims, dtype, device)?;
+            loaded(&full);
+            Ok(t)
+        };
+        let q_proj = matrix("self_attn.q_proj.weight", [heads * head_dim, hidden])?;
+        let k_proj = matrix("self_attn.k_proj.weight", [kv_heads * head_dim, hidden])?;
+        let v_proj = matrix("self_attn.v_proj.weight", [kv_heads * head_dim, hidden])?;
+        let o_proj = matrix("self_attn.o_proj.weight", [hidden, heads * head_dim])?;
+        let gate_proj = matrix("mlp.gate_proj.weight", [intermediate, hidden])?;
+        let up_proj = matrix("mlp.up_proj.weight", [intermediate, hidden])?;
+        let down_proj = matrix("mlp.down_proj.weight", [hidden, intermediate])?;
+        let mut vector = |name: &str, len: usize| -> Result<Tensor<1>> {
+            let full = format!("{prefix}{name}");
+            let t = ckpt.load(&full, [len], dtype, device)?;
+            loaded(&full);
+            Ok(t)
+        };
+        Ok(Self {
+            input_layernorm: vector("input_layernorm.weight", hidden)?,
+            q_norm: vector("self_attn.q_norm.weight", head_dim)?,
+            k_norm: vector("self_attn.k_norm.weight", head_dim)?,
+            post_attention_layernorm: vector("post_attention_layernorm.weight", hidden)?,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            gate_proj,
+            up_proj,
+            down_proj,
+            shape,
+        })
+    }
+
+    /// A layer with random weights (uniform in ±`scale`, norms 1), built on `device`: for
+    /// benchmarks at real shapes without a checkpoint.
+    pub fn random(shape: LayerShape, dtype: ComputeDtype, device: &Device, scale: f64) -> Self {
+        let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+        let dist = burn::tensor::Distribution::Uniform(-scale, scale);
+        let matrix = |rows: usize, cols: usize| Tensor::<2>::random([rows, cols], dist, opts.clone());
+        let ones = |len: usize| Tensor::<1>::ones([len], opts.clone());
+        let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
+        Self {
+            input_layernorm: ones(hidden),
+            q_proj: matrix(heads * head_dim, hidden),
+            k_proj: matrix(kv_heads * head_dim, hidden),
+            v_proj: matrix(kv_heads * head_dim, hidden),
+            o_proj: matrix(hidden, heads * head_dim),
+            q_norm: ones(head_dim),
+            k_norm: ones(head_dim),
+            post_attention_layernorm: ones(hidden),
+            gate_proj: matrix(intermediate, hidden),
+            up_proj: matrix(intermediate, hidden),
+            down_proj: matrix(hidden, intermediate),
+            shape,
+        }
+    }
+
+    /// Bytes of this layer's weights.
+    pub fn weight_bytes(&self) -> usize {
+        let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = self.shape;
+        let elems = 2 * heads * head_dim * hidden
+            + 2 * kv_heads * head_dim * hidden
+            + 3 * intermediate * hidden
+            + 2 * hidden
+            + 2 * head_dim;
+        elems * self.q_proj.dtype().size()
+    }
+
+    /// Names of this layer's tensors under `prefix`.
+    pub fn tensor_names(prefix: &str) -> impl Iterator<Item = String> + '_ {
+        [
+            "input_layernorm.weight",
+            "self_attn.q_proj.weight",
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight",
+            "self_attn.q_norm.weight",
+            "self_attn.k_norm.weight",
+            "post_attention_layernorm.weight",
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+        ]
+        .into_iter()
+        .map(move |n| format!("{prefix}{n}"))
+    }
+
+    /// One layer over the new rows of every sequence: causal attention over each sequence's
+    /// cached context plus its new rows; the new rows' K/V are written to the cache first.
+    ///
+    /// # Shapes
+    /// `x`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → `[rows, hidden]`.
+    pub(crate) fn forward(
+        &self,
+        layer: usize,
+        x: Tensor<2>,
+        cos: &Tensor<2>,
+        sin: &Tensor<2>,
+        seqs: &[SeqRows],
+        cache: &mut dyn KvCache,
+    ) -> Result<Tensor<2>> {
+        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
+        let rows = x.dims()[0];
+        // 1. pre-norm, projections: q [rows, heads, hd], k/v [rows, kv_heads, hd].
+        let h = rms_norm(x.clone(), &self.input_layernorm, eps);
+        let q = linear(h.clone(), &self.q_proj).reshape([rows, heads, head_dim]);
+        let k = linear(h.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
+        let v = linear(h, &self.v_proj).reshape([rows, kv_heads, head_dim]);
+        // 2. per-head RMSNorm, then RoPE at each row's position.
+        let q = apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin);
+        let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
+        // 3. per sequence: store new K/V, attend over the whole context.
+        let mut outs = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            let n = s.rows.len();
+            let (k_new, v_new) = if seqs.len() == 1 {
+                (k.clone(), v.clone())
+            } else {
+                (k.clone().narrow(0, s.rows.start, n), v.clone().narrow(0, s.rows.start, n))
+            };
+            cache.write(layer, s.seq, s.start, k_new, v_new)?;
+            let (k_all, v_all) = cache.read(layer, &s.index);
+            let q_seq = if seqs.len() == 1 { q.clone() } else { q.clone().narrow(0, s.rows.start, n) };
+            outs.push(attention(q_seq, k_all, v_all, AttentionMask::Causal { first: s.start }));
+        }
+        let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+        // 4. output projection and residual.
+        let x = x + linear(attn.reshape([rows, heads * head_dim]), &self.o_proj);
+        // 5. MLP with residual.
+        let h = rms_norm(x.clone(), &self.post_attention_layernorm, eps);
+        let mlp =
+            linear(swiglu(linear(h.clone(), &self.gate_proj), linear(h, &self.up_proj)), &self.down_proj);
+        Ok(x + mlp)
+    }
+}

@@ -1,0 +1,50 @@
+//! Rotary tables for given positions.
+
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::device::ComputeDtype;
+
+/// Rotary embedding frequencies of one model.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    inv_freq: Vec<f64>,
+    head_dim: usize,
+}
+
+impl Rope {
+    /// Frequencies `theta^(-2i/head_dim)` for `i < head_dim/2`.
+    pub fn new(theta: f64, head_dim: usize) -> Self {
+        let inv_freq =
+            (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64)).collect();
+        Self { inv_freq, head_dim }
+    }
+
+    /// `cos` and `sin` tables for `positions`, computed in f64 and stored as `dtype`.
+    ///
+    /// # Shapes
+    /// returns two `[positions.len(), head_dim]` tensors (each half repeated).
+    pub fn tables(
+        &self,
+        positions: &[usize],
+        dtype: ComputeDtype,
+        device: &Device,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let n = positions.len();
+        let mut cos = Vec::with_capacity(n * self.head_dim);
+        let mut sin = Vec::with_capacity(n * self.head_dim);
+        for &p in positions {
+            for _ in 0..2 {
+                for f in &self.inv_freq {
+                    let angle = p as f64 * f;
+                    cos.push(angle.cos() as f32);
+                    sin.push(angle.sin() as f32);
+                }
+            }
+        }
+        let make = |values: Vec<f32>| {
+            let t = Tensor::<2>::from_data(TensorData::new(values, [n, self.head_dim]), device);
+            if dtype == ComputeDtype::F32 { t } else { t.cast(dtype.dtype()) }
+        };
+        (make(cos), make(sin))
+    }
+}

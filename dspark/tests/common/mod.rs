@@ -1,0 +1,55 @@
+//! Shared helpers for the golden-vector tests. Fixtures are copies of the public golden set,
+//! committed under `tests/fixtures/golden`.
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+pub fn golden() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden")
+}
+
+pub fn cases() -> Value {
+    let text = std::fs::read_to_string(golden().join("cases.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The public set (the only one).
+pub fn set() -> Value {
+    cases()["sets"][0].clone()
+}
+
+pub fn prompts() -> Vec<Vec<u32>> {
+    serde_json::from_value(set()["prompts"].clone()).unwrap()
+}
+
+pub fn cases_of(kind: &str) -> Vec<Value> {
+    set()["cases"].as_array().unwrap().iter().filter(|c| c["kind"] == kind).cloned().collect()
+}
+
+pub fn ids(v: &Value) -> Vec<u32> {
+    serde_json::from_value(v.clone()).unwrap()
+}
+
+/// An expected tensor `{file, tensor, shape}` as (flat f32 values, shape).
+pub fn tensor(reference: &Value) -> (Vec<f32>, Vec<usize>) {
+    let file = golden().join(reference["file"].as_str().unwrap());
+    let bytes = std::fs::read(file).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let view = st.tensor(reference["tensor"].as_str().unwrap()).unwrap();
+    assert_eq!(view.dtype(), safetensors::Dtype::F32);
+    let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    (values, view.shape().to_vec())
+}
+
+/// Largest absolute difference.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+pub fn assert_close(what: &str, actual: &[f32], expected: &[f32], atol: f32) {
+    let d = max_abs_diff(actual, expected);
+    assert!(d <= atol, "{what}: max |diff| {d} > {atol}");
+}
