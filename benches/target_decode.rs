@@ -1,0 +1,145 @@
+//! Target-only decode benchmark at real Qwen3 shapes with random weights.
+//!
+//! Builds a Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head_dim 128,
+//! FFN 12288, vocab 151936) directly on the device, measures the device-copy bandwidth as the
+//! ceiling, then times target-only decode steps (forward + on-device argmax + token readback, the
+//! engine's per-step work) at each lane count. Prints a markdown table.
+//!
+//! ```text
+//! bench-target --device cuda --dtype bf16 --lanes 1,16 --steps 20
+//! bench-target --device cpu --dtype f32 --shape tiny --lanes 1,4 --steps 5   # smoke test
+//! ```
+
+use std::time::Instant;
+
+use burn::tensor::{Device, Distribution, Int, Tensor, TensorCreationOptions};
+use clap::Parser;
+use dspark::{ComputeDtype, DeviceKind, KvCache, LogitRows, PagedKvCache, Qwen3, Qwen3Config, SeqChunk};
+
+#[derive(Parser)]
+struct Args {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// qwen3-8b or tiny.
+    #[arg(long, default_value = "qwen3-8b")]
+    shape: String,
+    /// Lane counts to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    lanes: Vec<usize>,
+    /// Prompt rows per lane before timing.
+    #[arg(long, default_value_t = 128)]
+    context: usize,
+    /// Timed decode steps per lane count (after 3 warm-up steps).
+    #[arg(long, default_value_t = 20)]
+    steps: usize,
+    /// Bytes of the copy used to measure the bandwidth ceiling.
+    #[arg(long, default_value_t = 2 << 30)]
+    copy_bytes: usize,
+}
+
+fn config(shape: &str) -> Qwen3Config {
+    let (v, h, i, l, heads, kv, hd) = match shape {
+        "tiny" => (512, 64, 128, 6, 4, 2, 16),
+        _ => (151_936, 4096, 12_288, 36, 32, 8, 128),
+    };
+    serde_json::from_value(serde_json::json!({
+        "vocab_size": v, "hidden_size": h, "intermediate_size": i, "num_hidden_layers": l,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
+        "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 40960,
+        "tie_word_embeddings": false
+    }))
+    .expect("static config")
+}
+
+fn sync(device: &Device) {
+    device.sync().expect("device sync");
+}
+
+/// Read+write bytes per second of an elementwise copy.
+fn copy_bandwidth(device: &Device, dtype: ComputeDtype, bytes: usize) -> f64 {
+    let n = bytes / dtype.size();
+    let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+    let x = Tensor::<1>::random([n], Distribution::Uniform(-1.0, 1.0), opts);
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        sync(device);
+        let t = Instant::now();
+        let y = x.clone().mul_scalar(1.0);
+        sync(device);
+        best = best.min(t.elapsed().as_secs_f64());
+        drop(y);
+    }
+    2.0 * (n * dtype.size()) as f64 / best
+}
+
+fn main() -> dspark::Result<()> {
+    let args = Args::parse();
+    let kind: DeviceKind = args.device.parse()?;
+    let dtype: ComputeDtype = args.dtype.parse()?;
+    let device = kind.device()?;
+    let t = Instant::now();
+    let model = Qwen3::random(config(&args.shape), dtype, kind)?;
+    sync(&device);
+    eprintln!("built {} target in {:.1} s", args.shape, t.elapsed().as_secs_f64());
+    let copy_bw = copy_bandwidth(&device, dtype, args.copy_bytes.min(model.step_weight_bytes()));
+    let step_bytes = model.step_weight_bytes();
+    let max_lanes = args.lanes.iter().copied().max().unwrap_or(1);
+    let rows = max_lanes * (args.context + args.steps + 8);
+    let budget = rows * model.kv_layout(16).row_bytes() + 64 * model.kv_layout(16).page_bytes() * max_lanes;
+    let mut cache = PagedKvCache::new(model.kv_layout(16), budget, &device)?;
+    println!(
+        "| device | dtype | shape | lanes | context | ms/step | tok/s | weight GB/step | achieved TB/s | copy TB/s | share of copy |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for &lanes in &args.lanes {
+        let seqs: Vec<_> = (0..lanes).map(|_| cache.allocate()).collect();
+        let prompt: Vec<u32> = (0..args.context as u32).map(|i| 1000 + i).collect();
+        for &seq in &seqs {
+            model.forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &[], &mut cache)?;
+        }
+        let mut next: Vec<[u32; 1]> = vec![[7]; lanes];
+        let mut times = Vec::new();
+        for step in 0..args.steps + 3 {
+            sync(&device);
+            let t = Instant::now();
+            let chunks: Vec<SeqChunk<'_>> = seqs
+                .iter()
+                .zip(&next)
+                .map(|(&seq, tok)| SeqChunk { seq, tokens: tok, logits: LogitRows::Last })
+                .collect();
+            let out = model.forward(&chunks, &[], &mut cache)?;
+            let logits = out.logits.expect("logits requested");
+            let ids: Tensor<2, Int> = logits.argmax(1);
+            let ids = ids.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
+            next = ids.iter().map(|&i| [i as u32]).collect();
+            if step >= 3 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let achieved = step_bytes as f64 / median;
+        println!(
+            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0}% |",
+            args.device,
+            dtype,
+            args.shape,
+            lanes,
+            args.context,
+            median * 1e3,
+            lanes as f64 / median,
+            step_bytes as f64 / 1e9,
+            achieved / 1e12,
+            copy_bw / 1e12,
+            100.0 * achieved / copy_bw
+        );
+        for seq in seqs {
+            cache.free(seq)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,335 @@
+//! `dspark`: the command-line front end.
+//!
+//! ```text
+//! dspark demo                                  # greedy generation on the embedded tiny model
+//! dspark generate --target DIR --prompt "..."  # text in, text out (needs tokenizer.json)
+//! dspark generate --target DIR --prompt-ids 1,2,3 --json
+//! dspark score --target DIR --token-ids 1,2,3 --json
+//! ```
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use clap::{Args, Parser, Subcommand};
+use dspark::text::{ChatMessage, ChatOptions, StreamDecoder, Tokenizer};
+use dspark::{ComputeDtype, DeviceKind, Engine, EngineConfig, LoadOptions, Request, SamplingParams};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+
+#[derive(Parser)]
+#[command(name = "dspark", version, about = "Lossless speculative decoding for Qwen3 models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt.
+    Generate(GenerateArgs),
+    /// Print the log-probability of every token of a sequence given the tokens before it.
+    Score(ScoreArgs),
+    /// Run greedy generation on the tiny model embedded in this binary (no download, CPU).
+    Demo {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Target checkpoint folder (Hugging Face Qwen3 layout).
+    #[arg(long)]
+    target: PathBuf,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Compute dtype: f32, bf16 or f16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// KV cache budget in MiB.
+    #[arg(long, default_value_t = 1024)]
+    kv_budget_mib: usize,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt text (needs tokenizer.json in the target folder).
+    #[arg(long, conflicts_with = "prompt_ids", required_unless_present = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Render --prompt as a user message with the checkpoint's chat template.
+    #[arg(long, requires = "prompt")]
+    chat: bool,
+    /// With --chat: render Qwen3's thinking switch (false gives the empty think block).
+    #[arg(long)]
+    enable_thinking: Option<bool>,
+    /// Upper bound on generated tokens.
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Top-k filter; 0 disables.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Top-p (nucleus) filter; 1 disables.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampling coins.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Extra stop token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    stop_token_ids: Vec<u32>,
+    /// Do not stop at the checkpoint's end-of-sequence ids.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Print one JSON object `{"tokens", "text", "stats"}` instead of streaming text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The sequence as comma-separated token ids.
+    #[arg(long, value_delimiter = ',', required = true)]
+    token_ids: Vec<u32>,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate(args),
+        Command::Score(args) => score(args),
+        Command::Demo { json } => demo(json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                eprintln!("  caused by: {s}");
+                source = s.source();
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn load_engine(model: &ModelArgs, quiet: bool) -> dspark::Result<Engine> {
+    let device: DeviceKind = model.device.parse()?;
+    let dtype: ComputeDtype = model.dtype.parse()?;
+    let bar = ProgressBar::new(0);
+    if quiet {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        ProgressStyle::with_template("loading {msg} [{bar:40}] {bytes}/{total_bytes} ({eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_message(model.target.display().to_string());
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let options = LoadOptions { device, dtype, progress: Some(&progress) };
+    let config = EngineConfig { kv_budget_bytes: model.kv_budget_mib << 20, ..EngineConfig::default() };
+    let engine = Engine::load(&model.target, options, &config);
+    bar.finish_and_clear();
+    engine
+}
+
+fn tokenizer_in(dir: &Path) -> Option<Tokenizer> {
+    if dir.join("tokenizer.json").exists() { Tokenizer::from_dir(dir).ok() } else { None }
+}
+
+fn generate(args: GenerateArgs) -> dspark::Result<()> {
+    let tokenizer = tokenizer_in(&args.model.target);
+    let prompt = match (&args.prompt, &args.prompt_ids) {
+        (_, Some(ids)) => ids.clone(),
+        (Some(text), None) => {
+            let tok = tokenizer.as_ref().ok_or_else(|| {
+                dspark::Error::InvalidInput(format!(
+                    "--prompt needs {}; use --prompt-ids otherwise",
+                    args.model.target.join("tokenizer.json").display()
+                ))
+            })?;
+            if args.chat {
+                let template = tok.chat_template().ok_or_else(|| {
+                    dspark::Error::InvalidInput("the checkpoint has no chat template".into())
+                })?;
+                let messages = [ChatMessage { role: "user".into(), content: text.clone() }];
+                let opts = ChatOptions { add_generation_prompt: true, enable_thinking: args.enable_thinking };
+                tok.encode(&template.render(&messages, &opts)?, false)?
+            } else {
+                tok.encode(text, false)?
+            }
+        }
+        (None, None) => return Err(dspark::Error::InvalidInput("give --prompt or --prompt-ids".into())),
+    };
+    let mut engine = load_engine(&args.model, args.json)?;
+    let mut stop = args.stop_token_ids.clone();
+    if !args.ignore_eos {
+        stop.extend(engine.target().config().eos_ids());
+        if let Some(tok) = &tokenizer {
+            stop.extend(tok.eos_token_ids());
+        }
+    }
+    stop.sort_unstable();
+    stop.dedup();
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+        stop_token_ids: stop,
+        max_new_tokens: args.max_new_tokens,
+    };
+    let started = Instant::now();
+    let mut decoder = tokenizer.as_ref().map(|t| StreamDecoder::new(t, true));
+    let mut stdout = std::io::stdout();
+    let out = engine.generate_stream(&[Request { prompt: prompt.clone(), params }], &mut |ev| {
+        if args.json {
+            return;
+        }
+        match &mut decoder {
+            Some(d) => {
+                for &t in ev.tokens {
+                    if let Ok(Some(piece)) = d.step(t) {
+                        let _ = write!(stdout, "{piece}");
+                    }
+                }
+            }
+            _ => {
+                for t in ev.tokens {
+                    let _ = write!(stdout, "{t} ");
+                }
+            }
+        }
+        let _ = stdout.flush();
+    })?;
+    if let (false, Some(d)) = (args.json, &mut decoder)
+        && let Ok(Some(rest)) = d.flush()
+    {
+        print!("{rest}");
+    }
+    let elapsed = started.elapsed();
+    let g = &out[0];
+    let batch = engine.last_stats();
+    let text = match &tokenizer {
+        Some(tok) => Some(tok.decode(&g.tokens, true)?),
+        None => None,
+    };
+    let stats = json!({
+        "prompt_tokens": g.stats.prompt_tokens,
+        "generated_tokens": g.stats.generated_tokens,
+        "rounds": g.stats.rounds,
+        "tau": g.stats.tau,
+        "finish": match g.finish {
+            Some(dspark::FinishReason::Stop(t)) => json!({"stop": t}),
+            Some(dspark::FinishReason::Length) => json!("length"),
+            _ => serde_json::Value::Null,
+        },
+        "prefill_ms": batch.prefill_time.as_secs_f64() * 1e3,
+        "decode_ms": batch.decode_time.as_secs_f64() * 1e3,
+        "decode_tokens_per_second": batch.decode_tokens_per_second(),
+        "total_ms": elapsed.as_secs_f64() * 1e3,
+        "device": args.model.device,
+        "dtype": args.model.dtype,
+    });
+    if args.json {
+        println!("{}", json!({ "tokens": g.tokens, "text": text, "stats": stats }));
+    } else {
+        println!();
+        eprintln!(
+            "[{} prompt tokens, {} generated in {} rounds, {:.1} tok/s decode]",
+            g.stats.prompt_tokens,
+            g.stats.generated_tokens,
+            g.stats.rounds,
+            batch.decode_tokens_per_second()
+        );
+    }
+    Ok(())
+}
+
+fn score(args: ScoreArgs) -> dspark::Result<()> {
+    let mut engine = load_engine(&args.model, args.json)?;
+    let scores = engine.score(&args.token_ids)?;
+    if args.json {
+        let rows: Vec<_> = args.token_ids[1..]
+            .iter()
+            .zip(&scores)
+            .map(|(t, s)| json!({ "token": t, "logprob": s }))
+            .collect();
+        let total: f64 = scores.iter().map(|&s| f64::from(s)).sum();
+        println!("{}", json!({ "first_token": args.token_ids[0], "scores": rows, "total_logprob": total }));
+    } else {
+        for (t, s) in args.token_ids[1..].iter().zip(&scores) {
+            println!("{t}\t{s:.6}");
+        }
+    }
+    Ok(())
+}
+
+/// The tiny random Qwen3 of the golden set, embedded so the demo needs no files.
+const DEMO_CONFIG: &[u8] = include_bytes!("../dspark/tests/fixtures/golden/tiny-qwen3/config.json");
+const DEMO_WEIGHTS: &[u8] = include_bytes!("../dspark/tests/fixtures/golden/tiny-qwen3/model.safetensors");
+const DEMO_PROMPT: [u32; 5] = [37, 35, 253, 491, 331];
+
+fn demo(json_out: bool) -> dspark::Result<()> {
+    let dir = std::env::temp_dir().join(format!("dspark-demo-{}", std::process::id()));
+    let write = |name: &str, bytes: &[u8]| {
+        std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::write(dir.join(name), bytes))
+            .map_err(|e| dspark::Error::Io { path: dir.join(name), source: e })
+    };
+    write("config.json", DEMO_CONFIG)?;
+    write("model.safetensors", DEMO_WEIGHTS)?;
+    let engine = Engine::load(&dir, LoadOptions::default(), &EngineConfig::default());
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut engine = engine?;
+    let request = Request { prompt: DEMO_PROMPT.to_vec(), params: SamplingParams::greedy(24) };
+    let out = engine.generate(&[request])?;
+    let g = &out[0];
+    let stats = engine.last_stats();
+    if json_out {
+        println!(
+            "{}",
+            json!({"prompt": DEMO_PROMPT, "tokens": g.tokens, "stats": {
+                "generated_tokens": g.stats.generated_tokens, "rounds": g.stats.rounds,
+                "decode_tokens_per_second": stats.decode_tokens_per_second()}})
+        );
+    } else {
+        println!("dspark demo: tiny random Qwen3 (6 layers, hidden 64, vocab 512), greedy, CPU f32");
+        println!("prompt ids: {DEMO_PROMPT:?}");
+        println!("generated : {:?}", g.tokens);
+        println!(
+            "{} tokens in {} target steps, {:.0} tok/s",
+            g.stats.generated_tokens,
+            g.stats.rounds,
+            stats.decode_tokens_per_second()
+        );
+    }
+    Ok(())
+}
