@@ -141,7 +141,9 @@ impl Checkpoint {
         device: &Device,
     ) -> Result<Tensor<D>> {
         let data = self.read(name, &shape, dtype)?;
-        Ok(Tensor::from_data(data, device))
+        // The dtype must be explicit: without it burn converts to the device's default float.
+        let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+        Ok(Tensor::from_data(data, options))
     }
 
     /// Read tensor `name` into host memory as `dtype`, checking its shape.

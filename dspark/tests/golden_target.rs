@@ -5,8 +5,8 @@ mod common;
 
 use common::*;
 use dspark::{
-    Engine, EngineConfig, FinishReason, KvCache, LoadOptions, LogitRows, PagedKvCache, Qwen3, Request,
-    SamplingParams, SeqChunk,
+    ComputeDtype, DeviceKind, Engine, EngineConfig, FinishReason, KvCache, LoadOptions, LogitRows,
+    PagedKvCache, Qwen3, Request, SamplingParams, SeqChunk,
 };
 
 fn target(sharded: bool) -> Qwen3 {
@@ -20,65 +20,34 @@ fn cache_for(model: &Qwen3) -> PagedKvCache {
 
 #[test]
 fn target_prefill_logits_features_and_hidden_states_match_golden() {
-    let model = target(false);
-    let layer_ids: Vec<usize> = serde_json::from_value(set()["draft"]["target_layer_ids"].clone()).unwrap();
-    assert_eq!(layer_ids, vec![1, 3]);
-    let n_layers = model.config().num_hidden_layers;
-    let h = model.config().hidden_size;
-    for case in cases_of("target_prefill") {
-        let tokens = ids(&case["input_ids"]);
-        let t = tokens.len();
-        let mut cache = cache_for(&model);
-        let seq = cache.allocate();
-        // Capture the draft's layers, then every layer (to localise a bug to one layer).
-        let mut capture = layer_ids.clone();
-        capture.extend(0..n_layers);
-        let out = model
-            .forward(&[SeqChunk { seq, tokens: &tokens, logits: LogitRows::All }], &capture, &mut cache)
-            .unwrap();
-        let logits = out.logits.unwrap().into_data().try_to_vec::<f32>().unwrap();
-        let features = out.features.unwrap().into_data().try_to_vec::<f32>().unwrap();
-        let width = capture.len() * h;
-        let id = case["id"].as_str().unwrap();
-        let (exp_logits, shape) = tensor(&case["expected"]["logits"]);
-        assert_eq!(shape, vec![t, 512]);
-        assert_close(&format!("{id} logits"), &logits, &exp_logits, 5e-4);
-        // Draft features: the first two captured blocks of every row.
-        let (exp_features, _) = tensor(&case["expected"]["features"]);
-        let ours: Vec<f32> = (0..t).flat_map(|r| features[r * width..r * width + 2 * h].to_vec()).collect();
-        let scale = exp_features.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        assert_close(&format!("{id} features"), &ours, &exp_features, 1e-2f32.max(2e-5 * scale));
-        // hidden_states[l + 1] for l < N - 1 (the last entry is post-norm in HF).
-        let (hidden, hshape) = tensor(&case["expected"]["hidden_states"]);
-        assert_eq!(hshape, vec![n_layers + 1, t, h]);
-        for l in 0..n_layers - 1 {
-            let expected = &hidden[(l + 1) * t * h..(l + 2) * t * h];
-            let slot = 2 + l;
-            let ours: Vec<f32> = (0..t)
-                .flat_map(|r| features[r * width + slot * h..r * width + (slot + 1) * h].to_vec())
-                .collect();
-            let scale = expected.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            assert_close(
-                &format!("{id} hidden_states[{}]", l + 1),
-                &ours,
-                expected,
-                1e-2f32.max(2e-5 * scale),
-            );
-        }
-    }
+    // Tolerances suggested by the golden README for an f32 engine: logits atol 5e-4;
+    // features and hidden states 2e-5 of the tensor's largest value.
+    let d = checks::prefill_diffs(DeviceKind::Cpu, ComputeDtype::F32);
+    assert!(d.logits_abs <= 5e-4, "{d:?}");
+    assert!(d.features_rel <= 2e-5, "{d:?}");
+    assert!(d.hidden_rel <= 2e-5, "{d:?}");
 }
 
 fn greedy_matches(sharded: bool) {
-    let mut engine = Engine::new(target(sharded), &EngineConfig::default()).unwrap();
-    for case in cases_of("target_greedy") {
-        let prompt = ids(&case["input_ids"]);
-        let expected = ids(&case["expected"]["tokens"]);
-        let out =
-            engine.generate(&[Request { prompt, params: SamplingParams::greedy(expected.len()) }]).unwrap();
-        assert_eq!(out[0].tokens, expected, "{}", case["id"]);
-        assert_eq!(out[0].finish, Some(FinishReason::Length));
-    }
-    assert_eq!(engine.cache().bytes_used(), 0, "every sequence is freed");
+    let diverged = checks::greedy_divergence(DeviceKind::Cpu, ComputeDtype::F32, sharded);
+    assert!(diverged.iter().all(Option::is_none), "first divergence per prompt: {diverged:?}");
+}
+
+#[test]
+fn bf16_on_cpu_stays_within_the_stated_bf16_tolerance() {
+    // bf16 weights and activations (norms and softmax in f32). The golden model's weights are
+    // large (0.5·N(0,1), residual values up to ~600), so bf16 rounding compounds over 6 layers:
+    // measured here ≈ 5% of the largest value for logits and hidden states. Stated bound: 8%.
+    // Greedy may part ways from the f32 reference where top-2 margins are small (down to 0.025).
+    let d = checks::prefill_diffs(DeviceKind::Cpu, ComputeDtype::Bf16);
+    eprintln!("bf16 on cpu: {d:?}");
+    assert!(d.logits_rel <= 0.08 && d.features_rel <= 0.08 && d.hidden_rel <= 0.08, "{d:?}");
+    let diverged = checks::greedy_divergence(DeviceKind::Cpu, ComputeDtype::Bf16, false);
+    eprintln!("bf16 on cpu, first greedy divergence per prompt: {diverged:?}");
+    assert!(
+        diverged.iter().all(|d| d.is_none_or(|i| i >= 1)),
+        "the first greedy token must agree: {diverged:?}"
+    );
 }
 
 #[test]

@@ -6,8 +6,14 @@ use std::path::PathBuf;
 
 use serde_json::Value;
 
+pub mod checks;
+
+/// The golden fixtures; `DSPARK_GOLDEN` overrides the path (for test binaries run elsewhere,
+/// e.g. on the GPU machine).
 pub fn golden() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden")
+    std::env::var_os("DSPARK_GOLDEN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden"))
 }
 
 pub fn cases() -> Value {
