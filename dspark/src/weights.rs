@@ -115,6 +115,11 @@ impl Checkpoint {
         self.index.contains_key(name)
     }
 
+    /// Shape of tensor `name`, when present.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.index.get(name).and_then(|&i| self.shards[i].tensors.get(name)).map(|(_, s, _)| s.clone())
+    }
+
     /// Total bytes of tensor data in the checkpoint.
     pub fn total_bytes(&self) -> u64 {
         self.shards.iter().flat_map(|s| s.tensors.values()).map(|(_, _, r)| r.len() as u64).sum()

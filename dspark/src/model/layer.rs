@@ -211,3 +211,85 @@ impl DecoderLayer {
         Ok(x + mlp)
     }
 }
+
+/// One lane of a draft block forward.
+#[derive(Debug, Clone)]
+pub(crate) struct BlockLane {
+    /// Rows of this lane's block within the batch.
+    pub rows: std::ops::Range<usize>,
+    /// Physical cache rows of the lane's context positions `0..L`.
+    pub index: Tensor<1, Int>,
+    /// Context length `L`.
+    pub context: usize,
+}
+
+impl DecoderLayer {
+    /// Draft-context K/V of new context rows: `K = RoPE(k_norm(k_proj c))`, `V = v_proj c` (no
+    /// input norm: `c` is already the normed projection of the target features), stored in the
+    /// cache at `start..`.
+    ///
+    /// # Shapes
+    /// `c`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]`.
+    pub(crate) fn write_context(
+        &self,
+        layer: usize,
+        seq: SeqId,
+        start: usize,
+        c: Tensor<2>,
+        (cos, sin): (&Tensor<2>, &Tensor<2>),
+        cache: &mut dyn KvCache,
+    ) -> Result<()> {
+        let LayerShape { kv_heads, head_dim, eps, .. } = self.shape;
+        let rows = c.dims()[0];
+        let k = linear(c.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
+        let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
+        let v = linear(c, &self.v_proj).reshape([rows, kv_heads, head_dim]);
+        cache.write(layer, seq, start, k, v)
+    }
+
+    /// One draft layer over the block rows of every lane: each block row attends, without a
+    /// mask, to the lane's cached context keys and to all block keys of the lane. Block K/V are
+    /// not stored.
+    ///
+    /// # Shapes
+    /// `x`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → `[rows, hidden]`.
+    pub(crate) fn forward_block(
+        &self,
+        layer: usize,
+        x: Tensor<2>,
+        cos: &Tensor<2>,
+        sin: &Tensor<2>,
+        lanes: &[BlockLane],
+        cache: &dyn KvCache,
+    ) -> Tensor<2> {
+        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
+        let rows = x.dims()[0];
+        // 1. pre-norm, projections, per-head norms, RoPE at the block positions.
+        let h = rms_norm(x.clone(), &self.input_layernorm, eps);
+        let q = linear(h.clone(), &self.q_proj).reshape([rows, heads, head_dim]);
+        let k = linear(h.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
+        let v = linear(h, &self.v_proj).reshape([rows, kv_heads, head_dim]);
+        let q = apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin);
+        let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
+        // 2. per lane: keys = [context; block], bidirectional.
+        let mut outs = Vec::with_capacity(lanes.len());
+        for lane in lanes {
+            let n = lane.rows.len();
+            let k_blk = k.clone().narrow(0, lane.rows.start, n);
+            let v_blk = v.clone().narrow(0, lane.rows.start, n);
+            let (k_all, v_all) = if lane.context == 0 {
+                (k_blk, v_blk)
+            } else {
+                let (kc, vc) = cache.read(layer, &lane.index);
+                (Tensor::cat(vec![kc, k_blk], 0), Tensor::cat(vec![vc, v_blk], 0))
+            };
+            let q_lane = q.clone().narrow(0, lane.rows.start, n);
+            outs.push(attention(q_lane, k_all, v_all, AttentionMask::Full));
+        }
+        let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
+        // 3. output projection, MLP, residuals.
+        let x = x + linear(attn.reshape([rows, heads * head_dim]), &self.o_proj);
+        let h = rms_norm(x.clone(), &self.post_attention_layernorm, eps);
+        x + linear(swiglu(linear(h.clone(), &self.gate_proj), linear(h, &self.up_proj)), &self.down_proj)
+    }
+}

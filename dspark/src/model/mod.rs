@@ -1,8 +1,15 @@
 //! Models: the Qwen3 target and the pieces it is built from.
 
+mod draft_config;
+mod dspark_draft;
 mod layer;
+mod markov;
 mod qwen3;
 mod rope;
+
+pub use draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
+pub use dspark_draft::{DSparkDraft, DraftCacheConfig, MarkovPass};
+pub use markov::{ConfidenceHead, MarkovHead};
 
 pub use layer::DecoderLayer;
 pub use qwen3::{ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk};

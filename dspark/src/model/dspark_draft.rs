@@ -1,0 +1,410 @@
+//! The DSpark draft: a few Qwen3-style layers fed by the target's hidden features, proposing a
+//! block of γ tokens in one parallel pass, made sequential by a Markov head.
+
+use std::path::Path;
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use dspark_kernels::rms_norm;
+
+use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
+use super::layer::{BlockLane, DecoderLayer, LayerShape, linear};
+use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
+use super::qwen3::{LoadOptions, Qwen3};
+use super::rope::Rope;
+use crate::device::ComputeDtype;
+use crate::engine::read_f32;
+use crate::error::{Error, Result};
+use crate::kv_cache::{KvCache, PagedKvCache, SeqId};
+use crate::sampling::{SamplingParams, Stream, coin, sample_weights};
+use crate::speculator::{Proposal, ProposeLane, Speculator};
+use crate::weights::Checkpoint;
+
+/// Draft KV settings.
+#[derive(Debug, Clone)]
+pub struct DraftCacheConfig {
+    /// Bytes for the draft's context K/V.
+    pub kv_budget_bytes: usize,
+    /// Rows per page.
+    pub page_size: usize,
+}
+
+impl Default for DraftCacheConfig {
+    fn default() -> Self {
+        Self { kv_budget_bytes: 64 << 20, page_size: 16 }
+    }
+}
+
+/// A loaded DSpark draft bound to its target's embedding and LM head.
+#[derive(Debug)]
+pub struct DSparkDraft {
+    config: DSparkConfig,
+    layer_ids: Vec<usize>,
+    dtype: ComputeDtype,
+    device: Device,
+    embed_tokens: Tensor<2>,
+    lm_head: Tensor<2>,
+    fc: Tensor<2>,
+    hidden_norm: Tensor<1>,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor<1>,
+    markov: Option<MarkovHead>,
+    confidence: Option<ConfidenceHead>,
+    rope: Rope,
+    cache: PagedKvCache,
+}
+
+impl DSparkDraft {
+    /// Load a draft folder (released or SpecForge layout) for `target`. The draft's own copies
+    /// of the embedding and LM head, if present, are ignored: the target's are used.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the draft does not fit the target (hidden size, vocabulary, feature
+    /// layers out of range or including the last layer, mask id outside the vocabulary), raised
+    /// before any compute; missing tensors or wrong shapes, naming tensor and file.
+    pub fn load(
+        dir: &Path,
+        target: &Qwen3,
+        options: LoadOptions<'_>,
+        cache: &DraftCacheConfig,
+    ) -> Result<Self> {
+        let config = DSparkConfig::from_dir(dir)?;
+        let path = dir.join("config.json");
+        let ckpt = Checkpoint::open(dir)?;
+        let layer_ids = check_fit(&config, target, &ckpt, &path)?;
+        let device = target.device().clone();
+        let dtype = target.dtype();
+        let b = &config.base;
+        let (h, v, r) = (b.hidden_size, b.vocab_size, config.markov_rank);
+        let shape = LayerShape {
+            hidden: h,
+            intermediate: b.intermediate_size,
+            heads: b.num_attention_heads,
+            kv_heads: b.num_key_value_heads,
+            head_dim: b.head_dim(),
+            eps: b.rms_norm_eps,
+        };
+        tracing::info!(dir = %dir.display(), block_size = config.block_size, ?layer_ids, "loading DSpark draft");
+        let total = ckpt.total_bytes();
+        let done = std::cell::Cell::new(0u64);
+        let report = |name: &str| {
+            done.set(done.get() + ckpt.tensor_bytes(name));
+            if let Some(progress) = options.progress {
+                progress(done.get(), total);
+            }
+        };
+        let fc = ckpt.load("fc.weight", [h, layer_ids.len() * h], dtype, &device)?;
+        let hidden_norm = ckpt.load("hidden_norm.weight", [h], dtype, &device)?;
+        let norm = ckpt.load("norm.weight", [h], dtype, &device)?;
+        let mut layers = Vec::with_capacity(b.num_hidden_layers);
+        for i in 0..b.num_hidden_layers {
+            layers.push(DecoderLayer::load(&ckpt, &format!("layers.{i}."), shape, dtype, &device, &report)?);
+        }
+        let host = |name: &str, dims: &[usize]| -> Result<Vec<f32>> {
+            let data = ckpt.read(name, dims, ComputeDtype::F32)?;
+            data.try_to_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))
+        };
+        let markov = if r == 0 {
+            None
+        } else {
+            let proj = match config.markov_head_type {
+                MarkovHeadType::Vanilla => None,
+                MarkovHeadType::Gated => Some((
+                    host("markov_head.gate_proj.weight", &[r, h + r])?,
+                    host("markov_head.gate_proj.bias", &[r])?,
+                )),
+                MarkovHeadType::Rnn => Some((
+                    host("markov_head.joint_proj.weight", &[3 * r, 2 * r + h])?,
+                    host("markov_head.joint_proj.bias", &[3 * r])?,
+                )),
+            };
+            Some(MarkovHead {
+                kind: config.markov_head_type,
+                rank: r,
+                hidden: h,
+                w1: host("markov_head.markov_w1.weight", &[v, r])?,
+                w2: host("markov_head.markov_w2.weight", &[v, r])?,
+                proj,
+            })
+        };
+        let confidence = if config.enable_confidence_head {
+            let width = h + if config.confidence_head_with_markov { r } else { 0 };
+            Some(ConfidenceHead {
+                weight: host("confidence_head.proj.weight", &[1, width])?,
+                bias: host("confidence_head.proj.bias", &[1])?[0],
+                with_markov: config.confidence_head_with_markov,
+            })
+        } else {
+            None
+        };
+        let layout = crate::kv_cache::KvLayout {
+            layers: b.num_hidden_layers,
+            kv_heads: b.num_key_value_heads,
+            head_dim: b.head_dim(),
+            dtype,
+            page_size: cache.page_size,
+        };
+        let cache = PagedKvCache::new(layout, cache.kv_budget_bytes, &device)?;
+        let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
+        Ok(Self {
+            layer_ids,
+            dtype,
+            embed_tokens: target.embed_tokens().clone(),
+            lm_head: target.lm_head().clone(),
+            device,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            markov,
+            confidence,
+            rope,
+            cache,
+            config,
+        })
+    }
+
+    /// The draft's configuration.
+    pub fn config(&self) -> &DSparkConfig {
+        &self.config
+    }
+
+    /// The Markov head (host copy), when the draft has one.
+    pub fn markov(&self) -> Option<&MarkovHead> {
+        self.markov.as_ref()
+    }
+
+    /// The feature layers resolved against the target.
+    pub fn layer_ids(&self) -> &[usize] {
+        &self.layer_ids
+    }
+
+    /// The draft's context cache.
+    pub fn cache(&self) -> &PagedKvCache {
+        &self.cache
+    }
+
+    /// `c = hidden_norm(fc(features))`, the one stream the context K/V are made from.
+    ///
+    /// # Shapes
+    /// `features`: `[rows, n·hidden]` → `[rows, hidden]`.
+    pub fn context_projection(&self, features: Tensor<2>) -> Tensor<2> {
+        rms_norm(linear(features, &self.fc), &self.hidden_norm, self.config.base.rms_norm_eps)
+    }
+
+    /// The block forward for several lanes: `[anchor, MASK × (γ−1)]` at positions `L..L+γ−1`,
+    /// attending to each lane's cached context and bidirectionally within the block.
+    /// Returns the final-normed block hidden `[lanes·γ, hidden]` and base logits
+    /// `[lanes·γ, vocab]` (f32).
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`].
+    pub fn block_forward(&self, lanes: &[(SeqId, u32)]) -> Result<(Tensor<2>, Tensor<2>)> {
+        let gamma = self.config.block_size;
+        let mut ids = Vec::with_capacity(lanes.len() * gamma);
+        let mut positions = Vec::with_capacity(lanes.len() * gamma);
+        let mut block = Vec::with_capacity(lanes.len());
+        for (i, &(seq, anchor)) in lanes.iter().enumerate() {
+            let context = self.cache.len(seq)?;
+            ids.push(i64::from(anchor));
+            ids.extend(std::iter::repeat_n(i64::from(self.config.mask_token_id), gamma - 1));
+            positions.extend(context..context + gamma);
+            let index = self.cache.gather_index(seq, context)?;
+            block.push(BlockLane { rows: i * gamma..(i + 1) * gamma, index, context });
+        }
+        // 1. embed with the target's table [lanes·γ, hidden]; rotary tables at block positions.
+        let n = ids.len();
+        let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [n]), &self.device);
+        let mut x = self.embed_tokens.clone().select(0, ids);
+        let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
+        // 2. draft layers, final norm, target LM head.
+        for (l, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_block(l, x, &cos, &sin, &block, &self.cache);
+        }
+        let hidden = rms_norm(x, &self.norm, self.config.base.rms_norm_eps);
+        let logits = linear(hidden.clone(), &self.lm_head);
+        let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
+        Ok((to32(hidden), to32(logits)))
+    }
+
+    /// The sequential Markov pass over one lane's block, on host rows: corrected logits per
+    /// step, the chosen tokens, `q` when sampling, confidence per step.
+    ///
+    /// `hidden` is `[γ, H]`, `base` is `[γ, V]` (row-major f32); `position` is `L`, so draft k
+    /// decides position `L + k + 1` (its sampling coin is keyed by that position).
+    pub fn markov_pass(
+        &self,
+        anchor: u32,
+        hidden: &[f32],
+        base: &[f32],
+        params: &SamplingParams,
+        position: usize,
+    ) -> MarkovPass {
+        let gamma = self.config.block_size;
+        let (h, v) = (self.config.base.hidden_size, self.config.base.vocab_size);
+        let mut pass = MarkovPass::default();
+        let mut prev = anchor;
+        let mut state = self.markov.as_ref().map(MarkovHead::initial_state).unwrap_or_default();
+        for k in 0..gamma {
+            let h_k = &hidden[k * h..(k + 1) * h];
+            let mut logits: Vec<f64> = base[k * v..(k + 1) * v].iter().map(|&x| f64::from(x)).collect();
+            let mut prev_embedding = None;
+            if let Some(m) = &self.markov {
+                let (latent, next_state) = m.latent(prev, h_k, &state);
+                m.add_bias(&mut logits, &latent);
+                state = next_state;
+                prev_embedding = Some(m.embed(prev));
+            }
+            if let Some(c) = &self.confidence {
+                pass.confidence_logits.push(c.logit(h_k, prev_embedding.as_deref()));
+            }
+            let token = if params.is_greedy() {
+                argmax_f64(&logits)
+            } else {
+                let q = softmax_t(&logits, f64::from(params.temperature));
+                let u = coin(params.seed, Stream::Draft, position + k + 1);
+                let t = sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits));
+                pass.q.push(q);
+                t
+            };
+            pass.corrected.push(logits);
+            pass.tokens.push(token);
+            prev = token;
+        }
+        pass
+    }
+}
+
+/// Everything the Markov pass computed for one block.
+#[derive(Debug, Clone, Default)]
+pub struct MarkovPass {
+    /// Chosen draft tokens, γ of them.
+    pub tokens: Vec<u32>,
+    /// Corrected logits per step (base + Markov bias).
+    pub corrected: Vec<Vec<f64>>,
+    /// Proposal distributions (sampling only).
+    pub q: Vec<Vec<f64>>,
+    /// Confidence logits per step (empty without a confidence head).
+    pub confidence_logits: Vec<f64>,
+}
+
+/// Check the draft against its target; resolve the feature layers.
+fn check_fit(config: &DSparkConfig, target: &Qwen3, ckpt: &Checkpoint, path: &Path) -> Result<Vec<usize>> {
+    let bad = |message: String| Error::Config { path: path.to_path_buf(), message };
+    let t = target.config();
+    let depth = t.num_hidden_layers;
+    if config.base.hidden_size != t.hidden_size {
+        return Err(bad(format!(
+            "draft hidden_size {} does not match the target's {}",
+            config.base.hidden_size, t.hidden_size
+        )));
+    }
+    if config.base.vocab_size != t.vocab_size {
+        return Err(bad(format!(
+            "draft vocab_size {} does not match the target's {}",
+            config.base.vocab_size, t.vocab_size
+        )));
+    }
+    if config.mask_token_id as usize >= t.vocab_size {
+        return Err(bad(format!(
+            "mask_token_id {} is outside the vocabulary ({})",
+            config.mask_token_id, t.vocab_size
+        )));
+    }
+    if let Some(n) = config.num_target_layers
+        && n != depth
+    {
+        return Err(bad(format!("the draft was built for a {n}-layer target; this target has {depth}")));
+    }
+    let ids = match &config.target_layer_ids {
+        Some(ids) => ids.clone(),
+        None => {
+            // Infer how many feature layers from fc's input width.
+            let shape = ckpt.shape("fc.weight").ok_or_else(|| Error::MissingTensor {
+                dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
+                tensor: "fc.weight".into(),
+            })?;
+            let n = shape.get(1).copied().unwrap_or(0) / t.hidden_size.max(1);
+            default_target_layer_ids(depth, n)
+        }
+    };
+    if let Some(&bad_id) = ids.iter().find(|&&l| l + 1 >= depth) {
+        return Err(bad(format!(
+            "target_layer_id {bad_id} is out of range: feature layers must be below the target's last layer ({})",
+            depth - 1
+        )));
+    }
+    Ok(ids)
+}
+
+impl Speculator for DSparkDraft {
+    fn block_size(&self) -> usize {
+        self.config.block_size
+    }
+
+    fn feature_layers(&self) -> &[usize] {
+        &self.layer_ids
+    }
+
+    fn has_confidence(&self) -> bool {
+        self.confidence.is_some()
+    }
+
+    fn begin(&mut self) -> SeqId {
+        self.cache.allocate()
+    }
+
+    fn context_len(&self, seq: SeqId) -> Result<usize> {
+        self.cache.len(seq)
+    }
+
+    fn extend_context(&mut self, seq: SeqId, features: Tensor<2>) -> Result<()> {
+        let rows = features.dims()[0];
+        let c = self.context_projection(features);
+        let range = self.cache.reserve(&[(seq, rows)])?.remove(0);
+        let positions: Vec<usize> = range.clone().collect();
+        let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
+        for (l, layer) in self.layers.iter().enumerate() {
+            if let Err(e) = layer.write_context(l, seq, range.start, c.clone(), (&cos, &sin), &mut self.cache)
+            {
+                self.cache.truncate(seq, range.start)?;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    fn propose(&mut self, lanes: &[ProposeLane<'_>]) -> Result<Vec<Proposal>> {
+        if lanes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let gamma = self.config.block_size;
+        let (h, v) = (self.config.base.hidden_size, self.config.base.vocab_size);
+        let pairs: Vec<(SeqId, u32)> = lanes.iter().map(|l| (l.seq, l.anchor)).collect();
+        let (hidden, logits) = self.block_forward(&pairs)?;
+        let hidden = read_f32(hidden)?;
+        let logits = read_f32(logits)?;
+        let mut out = Vec::with_capacity(lanes.len());
+        for (i, lane) in lanes.iter().enumerate() {
+            let position = self.cache.len(lane.seq)?;
+            let pass = self.markov_pass(
+                lane.anchor,
+                &hidden[i * gamma * h..(i + 1) * gamma * h],
+                &logits[i * gamma * v..(i + 1) * gamma * v],
+                lane.params,
+                position,
+            );
+            let confidence = (!pass.confidence_logits.is_empty())
+                .then(|| pass.confidence_logits.iter().map(|&x| (1.0 / (1.0 + (-x).exp())) as f32).collect());
+            out.push(Proposal {
+                tokens: pass.tokens,
+                q: (!lane.params.is_greedy()).then_some(pass.q),
+                confidence,
+            });
+        }
+        Ok(out)
+    }
+
+    fn end(&mut self, seq: SeqId) -> Result<()> {
+        self.cache.free(seq)
+    }
+}
