@@ -14,7 +14,10 @@ use std::time::Instant;
 
 use clap::{Args, Parser, Subcommand};
 use dspark::text::{ChatMessage, ChatOptions, StreamDecoder, Tokenizer};
-use dspark::{ComputeDtype, DeviceKind, Engine, EngineConfig, LoadOptions, Request, SamplingParams};
+use dspark::{
+    ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, LoadOptions, Qwen3,
+    Request, SamplingParams, VerifyPolicy,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
@@ -92,6 +95,15 @@ struct GenerateArgs {
     /// Do not stop at the checkpoint's end-of-sequence ids.
     #[arg(long)]
     ignore_eos: bool,
+    /// DSpark draft folder: speculative decoding (output distribution unchanged).
+    #[arg(long)]
+    draft: Option<PathBuf>,
+    /// Verify width in rows (anchor + drafts), 1..=γ+1; default: all γ drafts.
+    #[arg(long, requires = "draft", conflicts_with = "confidence_threshold")]
+    verify_width: Option<usize>,
+    /// Verify the drafts before the first whose confidence is below this value.
+    #[arg(long, requires = "draft")]
+    confidence_threshold: Option<f32>,
     /// Print one JSON object `{"tokens", "text", "stats"}` instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -137,6 +149,15 @@ fn main() -> ExitCode {
 }
 
 fn load_engine(model: &ModelArgs, quiet: bool) -> dspark::Result<Engine> {
+    load_speculative(model, None, VerifyPolicy::Full, quiet)
+}
+
+fn load_speculative(
+    model: &ModelArgs,
+    draft: Option<&Path>,
+    verify: VerifyPolicy,
+    quiet: bool,
+) -> dspark::Result<Engine> {
     let device: DeviceKind = model.device.parse()?;
     let dtype: ComputeDtype = model.dtype.parse()?;
     let bar = ProgressBar::new(0);
@@ -154,8 +175,16 @@ fn load_engine(model: &ModelArgs, quiet: bool) -> dspark::Result<Engine> {
         bar.set_position(done);
     };
     let options = LoadOptions { device, dtype, progress: Some(&progress) };
-    let config = EngineConfig { kv_budget_bytes: model.kv_budget_mib << 20, ..EngineConfig::default() };
-    let engine = Engine::load(&model.target, options, &config);
+    let config =
+        EngineConfig { kv_budget_bytes: model.kv_budget_mib << 20, verify, ..EngineConfig::default() };
+    let engine = match draft {
+        None => Engine::load(&model.target, options, &config),
+        Some(dir) => Qwen3::load(&model.target, options).and_then(|target| {
+            bar.set_message(dir.display().to_string());
+            let draft = DSparkDraft::load(dir, &target, options, &DraftCacheConfig::default())?;
+            Engine::with_draft(target, Box::new(draft), &config)
+        }),
+    };
     bar.finish_and_clear();
     engine
 }
@@ -188,7 +217,12 @@ fn generate(args: GenerateArgs) -> dspark::Result<()> {
         }
         (None, None) => return Err(dspark::Error::InvalidInput("give --prompt or --prompt-ids".into())),
     };
-    let mut engine = load_engine(&args.model, args.json)?;
+    let verify = match (args.verify_width, args.confidence_threshold) {
+        (Some(w), _) => VerifyPolicy::Fixed(w),
+        (None, Some(t)) => VerifyPolicy::Threshold(t),
+        (None, None) => VerifyPolicy::Full,
+    };
+    let mut engine = load_speculative(&args.model, args.draft.as_deref(), verify, args.json)?;
     let mut stop = args.stop_token_ids.clone();
     if !args.ignore_eos {
         stop.extend(engine.target().config().eos_ids());
@@ -255,18 +289,33 @@ fn generate(args: GenerateArgs) -> dspark::Result<()> {
         "decode_ms": batch.decode_time.as_secs_f64() * 1e3,
         "decode_tokens_per_second": batch.decode_tokens_per_second(),
         "total_ms": elapsed.as_secs_f64() * 1e3,
+        "speculative": engine.is_speculative(),
+        "drafted": g.stats.drafted,
+        "accepted": g.stats.accepted,
+        "accepted_per_position": g.stats.accepted_per_position,
+        "drafted_per_position": g.stats.drafted_per_position,
         "device": args.model.device,
         "dtype": args.model.dtype,
     });
     if args.json {
-        println!("{}", json!({ "tokens": g.tokens, "text": text, "stats": stats }));
+        let mut object = json!({ "tokens": g.tokens, "text": text, "stats": stats });
+        if engine.is_speculative() {
+            object["rounds"] = g
+                .stats
+                .round_log
+                .iter()
+                .map(|r| json!({ "position": r.position, "drafted": r.drafted, "accepted": r.accepted }))
+                .collect();
+        }
+        println!("{object}");
     } else {
         println!();
         eprintln!(
-            "[{} prompt tokens, {} generated in {} rounds, {:.1} tok/s decode]",
+            "[{} prompt tokens, {} generated in {} rounds (tau {:.2}), {:.1} tok/s decode]",
             g.stats.prompt_tokens,
             g.stats.generated_tokens,
             g.stats.rounds,
+            g.stats.tau,
             batch.decode_tokens_per_second()
         );
     }

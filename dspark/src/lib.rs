@@ -15,6 +15,7 @@
 //! # }
 //! ```
 
+pub mod accept;
 pub mod config;
 pub mod device;
 pub mod engine;
@@ -22,15 +23,20 @@ pub mod error;
 pub mod kv_cache;
 pub mod model;
 pub mod sampling;
+pub mod speculator;
 pub mod text;
 pub mod weights;
 
 pub use config::Qwen3Config;
 pub use device::{ComputeDtype, DeviceKind};
 pub use engine::{
-    BatchStats, Engine, EngineConfig, FinishReason, Generation, GenerationStats, Request, TokenEvent,
+    BatchStats, Engine, EngineConfig, FinishReason, Generation, GenerationStats, Request, RoundRecord,
+    TokenEvent, VerifyPolicy,
 };
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvLayout, PagedKvCache, SeqId};
-pub use model::{ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk};
+pub use model::{
+    DSparkConfig, DSparkDraft, DraftCacheConfig, ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk,
+};
 pub use sampling::SamplingParams;
+pub use speculator::{Proposal, ProposeLane, Speculator};

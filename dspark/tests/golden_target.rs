@@ -219,9 +219,11 @@ fn kv_budget_exhaustion_is_a_typed_error_and_leaves_other_sequences_intact() {
     assert_close("decode after a failed reserve", &step, &reference, 1e-4);
     assert_eq!(before.len(), 17 * 512);
     // Through the engine: the error comes back and the engine stays usable.
-    let mut engine =
-        Engine::new(model, &EngineConfig { kv_budget_bytes: 16 * layout.page_bytes(), page_size: 4 })
-            .unwrap();
+    let mut engine = Engine::new(
+        model,
+        &EngineConfig { kv_budget_bytes: 16 * layout.page_bytes(), page_size: 4, ..EngineConfig::default() },
+    )
+    .unwrap();
     let err =
         engine.generate(&[Request { prompt: long.clone(), params: SamplingParams::greedy(24) }]).unwrap_err();
     assert!(matches!(err, dspark::Error::KvCacheFull { .. }));

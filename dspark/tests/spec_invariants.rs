@@ -1,0 +1,325 @@
+//! Invariants of the speculative engine on the tiny golden models (f32, CPU): greedy output
+//! equals target-only greedy output for every verify width, null and oracle drafts behave as
+//! they must, and sampled output has the target's distribution.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use burn::tensor::Tensor;
+use common::*;
+use dspark::sampling::target_probs;
+use dspark::{
+    DSparkDraft, DraftCacheConfig, Engine, EngineConfig, KvCache, LoadOptions, LogitRows, PagedKvCache,
+    Proposal, ProposeLane, Qwen3, Request, SamplingParams, SeqChunk, SeqId, Speculator, VerifyPolicy,
+};
+
+fn target() -> Qwen3 {
+    Qwen3::load(&golden().join("tiny-qwen3"), LoadOptions::default()).unwrap()
+}
+
+fn draft(target: &Qwen3) -> DSparkDraft {
+    DSparkDraft::load(
+        &golden().join("tiny-dspark"),
+        target,
+        LoadOptions::default(),
+        &DraftCacheConfig::default(),
+    )
+    .unwrap()
+}
+
+fn spec_engine(verify: VerifyPolicy) -> Engine {
+    let t = target();
+    let d = draft(&t);
+    Engine::with_draft(t, Box::new(d), &EngineConfig { verify, ..EngineConfig::default() }).unwrap()
+}
+
+fn greedy_requests(n: usize) -> Vec<Request> {
+    prompts().into_iter().map(|prompt| Request { prompt, params: SamplingParams::greedy(n) }).collect()
+}
+
+#[test]
+fn greedy_speculative_equals_greedy_target_only_for_every_verify_width() {
+    let mut plain = Engine::new(target(), &EngineConfig::default()).unwrap();
+    let reference = plain.generate(&greedy_requests(40)).unwrap();
+    let mut policies: Vec<VerifyPolicy> = (1..=5).map(VerifyPolicy::Fixed).collect();
+    policies.extend([VerifyPolicy::Full, VerifyPolicy::Threshold(0.5), VerifyPolicy::Threshold(0.9)]);
+    for policy in policies {
+        let mut e = spec_engine(policy);
+        // All prompts in one batch: lanes verify different widths in one ragged forward.
+        let out = e.generate(&greedy_requests(40)).unwrap();
+        for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
+            assert_eq!(o.tokens, r.tokens, "{policy:?} prompt {i}");
+            // Round positions advance by exactly accepted + 1.
+            for w in o.stats.round_log.windows(2) {
+                assert_eq!(w[1].position, w[0].position + w[0].accepted + 1, "{policy:?}");
+            }
+            if let VerifyPolicy::Fixed(w) = policy {
+                assert!(o.stats.round_log.iter().all(|r| r.drafted.len() == w - 1), "{policy:?}");
+            }
+        }
+        assert_eq!(e.cache().bytes_used(), 0, "{policy:?}: target KV freed");
+    }
+}
+
+#[test]
+fn null_draft_accepts_nothing_and_tau_is_one() {
+    let mut e = spec_engine(VerifyPolicy::Fixed(1));
+    let out = e.generate(&greedy_requests(20)).unwrap();
+    for o in &out {
+        assert_eq!(o.stats.drafted, 0);
+        assert_eq!(o.stats.accepted, 0);
+        assert_eq!(o.stats.rounds, 19);
+        assert!((o.stats.tau - 1.0).abs() < 1e-12);
+    }
+}
+
+/// A draft that proposes the target's own greedy continuation (known in advance).
+struct Oracle {
+    gamma: usize,
+    /// Full greedy sequence (prompt + continuation) per lane, by draft sequence id.
+    sequences: Vec<Vec<u32>>,
+    lengths: Vec<usize>,
+}
+
+impl Speculator for Oracle {
+    fn block_size(&self) -> usize {
+        self.gamma
+    }
+    fn feature_layers(&self) -> &[usize] {
+        &[1, 3]
+    }
+    fn has_confidence(&self) -> bool {
+        false
+    }
+    fn begin(&mut self) -> SeqId {
+        self.lengths.push(0);
+        (self.lengths.len() - 1) as SeqId
+    }
+    fn context_len(&self, seq: SeqId) -> dspark::Result<usize> {
+        Ok(self.lengths[seq as usize])
+    }
+    fn extend_context(&mut self, seq: SeqId, features: Tensor<2>) -> dspark::Result<()> {
+        self.lengths[seq as usize] += features.dims()[0];
+        Ok(())
+    }
+    fn propose(&mut self, lanes: &[ProposeLane<'_>]) -> dspark::Result<Vec<Proposal>> {
+        Ok(lanes
+            .iter()
+            .map(|l| {
+                let s = &self.sequences[l.seq as usize];
+                let at = self.lengths[l.seq as usize];
+                assert_eq!(s[at], l.anchor, "the anchor is the committed token at L");
+                Proposal { tokens: s[at + 1..at + 1 + self.gamma].to_vec(), q: None, confidence: None }
+            })
+            .collect())
+    }
+    fn end(&mut self, _seq: SeqId) -> dspark::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn oracle_draft_is_always_fully_accepted() {
+    let gamma = 4;
+    let mut plain = Engine::new(target(), &EngineConfig::default()).unwrap();
+    let long = plain.generate(&greedy_requests(24 + 2 * gamma)).unwrap();
+    let sequences: Vec<Vec<u32>> =
+        prompts().iter().zip(&long).map(|(p, g)| p.iter().chain(&g.tokens).copied().collect()).collect();
+    for (i, seq) in sequences.iter().enumerate() {
+        let oracle = Oracle { gamma, sequences: vec![seq.clone()], lengths: Vec::new() };
+        let mut e = Engine::with_draft(target(), Box::new(oracle), &EngineConfig::default()).unwrap();
+        let out = e
+            .generate(&[Request { prompt: prompts()[i].clone(), params: SamplingParams::greedy(21) }])
+            .unwrap();
+        assert_eq!(out[0].tokens, long[i].tokens[..21]);
+        // 1 token from prefill, then 4 rounds of γ + 1 = 5 tokens.
+        assert_eq!(out[0].stats.rounds, 4);
+        assert_eq!(out[0].stats.accepted, 16);
+        assert_eq!(out[0].stats.accepted_per_position, vec![4; gamma]);
+        assert!((out[0].stats.tau - 5.0).abs() < 1e-12);
+    }
+}
+
+#[test]
+fn sampled_speculative_is_reproducible_and_independent_of_the_batch() {
+    let mut e = spec_engine(VerifyPolicy::Full);
+    let requests: Vec<Request> = prompts()
+        .into_iter()
+        .enumerate()
+        .map(|(i, prompt)| Request {
+            prompt,
+            params: SamplingParams {
+                temperature: 0.8,
+                top_k: if i == 1 { 50 } else { 0 },
+                top_p: if i == 2 { 0.9 } else { 1.0 },
+                seed: 17 + i as u64,
+                max_new_tokens: 20,
+                ..SamplingParams::default()
+            },
+        })
+        .collect();
+    let together = e.generate(&requests).unwrap();
+    assert_eq!(together[0].tokens, e.generate(&requests).unwrap()[0].tokens);
+    for (i, r) in requests.iter().enumerate() {
+        let alone = e.generate(std::slice::from_ref(r)).unwrap();
+        assert_eq!(alone[0].tokens, together[i].tokens, "request {i}");
+    }
+}
+
+/// Exact marginal distribution of the second generated token under `params`:
+/// Σ_{t1} p(t1 | prompt) · p(t2 | prompt, t1), from the target alone.
+fn exact_second_token(model: &Qwen3, prompt: &[u32], params: &SamplingParams) -> Vec<f64> {
+    let vocab = model.vocab_size();
+    let mut cache = PagedKvCache::new(model.kv_layout(16), 64 << 20, model.device()).unwrap();
+    let seq = cache.allocate();
+    let out =
+        model.forward(&[SeqChunk { seq, tokens: prompt, logits: LogitRows::Last }], &[], &mut cache).unwrap();
+    let p1 = target_probs(&out.logits.unwrap().into_data().try_to_vec::<f32>().unwrap(), params);
+    let firsts: Vec<u32> = (0..vocab as u32).filter(|&t| p1[t as usize] > 0.0).collect();
+    let mut marginal = vec![0.0; vocab];
+    for batch in firsts.chunks(64) {
+        let mut cache = PagedKvCache::new(model.kv_layout(16), 64 << 20, model.device()).unwrap();
+        let seqs: Vec<Vec<u32>> =
+            batch.iter().map(|&t| prompt.iter().copied().chain([t]).collect()).collect();
+        let ids: Vec<SeqId> = batch.iter().map(|_| cache.allocate()).collect();
+        let chunks: Vec<SeqChunk<'_>> = seqs
+            .iter()
+            .zip(&ids)
+            .map(|(s, &seq)| SeqChunk { seq, tokens: s, logits: LogitRows::Last })
+            .collect();
+        let logits = model.forward(&chunks, &[], &mut cache).unwrap().logits.unwrap();
+        let logits = logits.into_data().try_to_vec::<f32>().unwrap();
+        for (j, &t1) in batch.iter().enumerate() {
+            let p2 = target_probs(&logits[j * vocab..(j + 1) * vocab], params);
+            for (m, p) in marginal.iter_mut().zip(p2) {
+                *m += p1[t1 as usize] * p;
+            }
+        }
+    }
+    marginal
+}
+
+/// Pearson χ² of `counts` against `expected` probabilities, bins with expected count < 5
+/// pooled. Returns (statistic, degrees of freedom).
+fn chi_square(counts: &[usize], expected: &[f64]) -> (f64, usize) {
+    let n: usize = counts.iter().sum();
+    let (mut stat, mut bins) = (0.0, 0usize);
+    let (mut pooled_o, mut pooled_e) = (0.0, 0.0);
+    for (&o, &p) in counts.iter().zip(expected) {
+        let e = p * n as f64;
+        if e >= 5.0 {
+            stat += (o as f64 - e).powi(2) / e;
+            bins += 1;
+        } else {
+            pooled_o += o as f64;
+            pooled_e += e;
+        }
+    }
+    if pooled_e > 0.0 {
+        stat += (pooled_o - pooled_e).powi(2) / pooled_e.max(1e-9);
+        bins += 1;
+    }
+    (stat, bins.saturating_sub(1))
+}
+
+/// Upper quantile of χ²(df) at false-alarm rate 1e-4 (Wilson–Hilferty, z = 3.719).
+fn chi_square_limit(df: usize) -> f64 {
+    let d = df as f64;
+    let z = 3.719;
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// Wraps the real draft and reports a proposal distribution that makes every draft look
+/// certain to be accepted (q(d) tiny): the chain rule then accepts without the ratio.
+struct AlwaysAccept(DSparkDraft);
+
+impl Speculator for AlwaysAccept {
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn feature_layers(&self) -> &[usize] {
+        self.0.feature_layers()
+    }
+    fn has_confidence(&self) -> bool {
+        self.0.has_confidence()
+    }
+    fn begin(&mut self) -> SeqId {
+        self.0.begin()
+    }
+    fn context_len(&self, seq: SeqId) -> dspark::Result<usize> {
+        self.0.context_len(seq)
+    }
+    fn extend_context(&mut self, seq: SeqId, features: Tensor<2>) -> dspark::Result<()> {
+        self.0.extend_context(seq, features)
+    }
+    fn propose(&mut self, lanes: &[ProposeLane<'_>]) -> dspark::Result<Vec<Proposal>> {
+        let mut out = self.0.propose(lanes)?;
+        for p in &mut out {
+            if let Some(q) = p.q.as_mut() {
+                for (row, &d) in q.iter_mut().zip(&p.tokens) {
+                    let rest = (1.0 - 1e-12) / (row.len() - 1) as f64;
+                    row.iter_mut().for_each(|x| *x = rest);
+                    row[d as usize] = 1e-12;
+                }
+            }
+        }
+        Ok(out)
+    }
+    fn end(&mut self, seq: SeqId) -> dspark::Result<()> {
+        self.0.end(seq)
+    }
+}
+
+/// Sample the second token `n` times (seeds 0..n) with `engine` and return counts.
+fn second_token_counts(engine: &mut Engine, prompt: &[u32], params: &SamplingParams, n: u64) -> Vec<usize> {
+    let mut counts = vec![0; 512];
+    let seeds: Vec<u64> = (0..n).collect();
+    for batch in seeds.chunks(250) {
+        let requests: Vec<Request> = batch
+            .iter()
+            .map(|&seed| Request {
+                prompt: prompt.to_vec(),
+                params: SamplingParams { seed, max_new_tokens: 2, ..params.clone() },
+            })
+            .collect();
+        for g in engine.generate(&requests).unwrap() {
+            counts[g.tokens[1] as usize] += 1;
+        }
+    }
+    counts
+}
+
+#[test]
+fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_caught() {
+    let prompt = prompts()[0].clone();
+    let n = 3000;
+    let settings = [
+        SamplingParams { temperature: 1.0, ..SamplingParams::default() },
+        SamplingParams { temperature: 0.7, top_k: 20, ..SamplingParams::default() },
+        SamplingParams { temperature: 1.0, top_p: 0.8, ..SamplingParams::default() },
+    ];
+    let model = target();
+    let mut e = spec_engine(VerifyPolicy::Full);
+    for params in &settings {
+        let exact = exact_second_token(&model, &prompt, params);
+        let counts = second_token_counts(&mut e, &prompt, params, n);
+        let (stat, df) = chi_square(&counts, &exact);
+        let limit = chi_square_limit(df);
+        eprintln!("spec {params:?}: chi2 {stat:.1} on {df} df (limit {limit:.1})");
+        assert!(
+            stat < limit,
+            "speculative sampling deviates from the target: chi2 {stat:.1} > {limit:.1} ({df} df)"
+        );
+        assert!(e.last_stats().drafted > 0);
+    }
+    // The same test must reject an engine whose acceptance ignores the ratio.
+    let t = target();
+    let d = draft(&t);
+    let mut broken = Engine::with_draft(t, Box::new(AlwaysAccept(d)), &EngineConfig::default()).unwrap();
+    let params = &settings[0];
+    let exact = exact_second_token(&model, &prompt, params);
+    let counts = second_token_counts(&mut broken, &prompt, params, n);
+    let (stat, df) = chi_square(&counts, &exact);
+    eprintln!("broken rule: chi2 {stat:.1} on {df} df (limit {:.1})", chi_square_limit(df));
+    assert!(stat > chi_square_limit(df), "the test failed to catch a broken acceptance rule");
+}
