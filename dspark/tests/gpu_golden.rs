@@ -71,3 +71,65 @@ fn cuda_batched_generation_equals_one_at_a_time() {
         }
     }
 }
+
+fn spec_engine(dtype: ComputeDtype, layout: &str, verify: dspark::VerifyPolicy) -> Engine {
+    let target = checks::target_on(CUDA, dtype, false);
+    let options = dspark::LoadOptions { device: CUDA, dtype, progress: None };
+    let draft =
+        dspark::DSparkDraft::load(&golden().join(layout), &target, options, &Default::default()).unwrap();
+    let config = EngineConfig { verify, ..EngineConfig::default() };
+    Engine::with_draft(target, Box::new(draft), &config).unwrap()
+}
+
+#[test]
+fn cuda_spec_greedy_matches_golden_and_target_only() {
+    for dtype in [ComputeDtype::F32, ComputeDtype::Bf16] {
+        let mut plain = Engine::new(checks::target_on(CUDA, dtype, false), &EngineConfig::default()).unwrap();
+        for layout in ["tiny-dspark", "tiny-dspark-specforge"] {
+            for (kind, verify) in [
+                ("spec_greedy", dspark::VerifyPolicy::Full),
+                ("spec_greedy_threshold", dspark::VerifyPolicy::Threshold(0.5)),
+            ] {
+                let mut e = spec_engine(dtype, layout, verify);
+                for case in cases_of(kind) {
+                    let prompt = ids(&case["input_ids"]);
+                    let request = Request { prompt, params: SamplingParams::greedy(24) };
+                    let spec = e.generate(std::slice::from_ref(&request)).unwrap().remove(0);
+                    let target_only = plain.generate(std::slice::from_ref(&request)).unwrap().remove(0);
+                    let golden_tokens = ids(&case["expected"]["output_tokens"]);
+                    let vs_golden = spec.tokens.iter().zip(&golden_tokens).position(|(a, b)| a != b);
+                    let vs_target = spec.tokens.iter().zip(&target_only.tokens).position(|(a, b)| a != b);
+                    let rounds: Vec<usize> = spec.stats.round_log.iter().map(|r| r.accepted).collect();
+                    println!(
+                        "cuda {dtype} {layout} {}: first divergence vs golden {vs_golden:?}, vs target-only {vs_target:?}, accepted per round {rounds:?}",
+                        case["id"]
+                    );
+                    if dtype == ComputeDtype::F32 {
+                        assert_eq!(vs_golden, None, "{}", case["id"]);
+                        let limit = request.prompt.len() + 23;
+                        let exp: Vec<(usize, usize)> = case["expected"]["rounds"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|r| {
+                                (
+                                    r["anchor_position"].as_u64().unwrap() as usize,
+                                    r["accepted"].as_u64().unwrap() as usize,
+                                )
+                            })
+                            .filter(|(pos, _)| *pos < limit)
+                            .collect();
+                        let ours: Vec<(usize, usize)> = spec
+                            .stats
+                            .round_log
+                            .iter()
+                            .map(|r| (r.position, r.accepted))
+                            .take(exp.len())
+                            .collect();
+                        assert_eq!(ours, exp, "{}", case["id"]);
+                    }
+                }
+            }
+        }
+    }
+}

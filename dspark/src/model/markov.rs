@@ -137,3 +137,117 @@ pub fn argmax_f64(values: &[f64]) -> u32 {
     }
     best as u32
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Run the sequential greedy pass of `head` over `base` rows from `anchor`.
+    fn greedy(m: &MarkovHead, base: &[Vec<f64>], hidden: &[f32], anchor: u32) -> (Vec<Vec<f64>>, Vec<u32>) {
+        let (mut prev, mut state) = (anchor, m.initial_state());
+        let (mut rows, mut tokens) = (Vec::new(), Vec::new());
+        for (k, row) in base.iter().enumerate() {
+            let (latent, next) = m.latent(prev, &hidden[k * m.hidden..(k + 1) * m.hidden], &state);
+            state = next;
+            let mut row = row.clone();
+            m.add_bias(&mut row, &latent);
+            prev = argmax_f64(&row);
+            tokens.push(prev);
+            rows.push(row);
+        }
+        (rows, tokens)
+    }
+
+    #[test]
+    fn vanilla_head_matches_the_hand_computed_case() {
+        let json: serde_json::Value =
+            serde_json::from_str(include_str!("../../tests/fixtures/golden/hand_cases.json")).unwrap();
+        let case = &json["vanilla_markov"];
+        let flat = |v: &serde_json::Value| -> Vec<f32> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32))
+                .collect()
+        };
+        let m = MarkovHead {
+            kind: MarkovHeadType::Vanilla,
+            rank: 2,
+            hidden: 1,
+            w1: flat(&case["markov_w1_weight"]),
+            w2: flat(&case["markov_w2_weight"]),
+            proj: None,
+        };
+        let base: Vec<Vec<f64>> = serde_json::from_value(case["base_logits"].clone()).unwrap();
+        let (rows, tokens) = greedy(&m, &base, &[0.0; 3], case["anchor"].as_u64().unwrap() as u32);
+        let expected: Vec<Vec<f64>> =
+            serde_json::from_value(case["expected"]["corrected_logits"].clone()).unwrap();
+        for (r, e) in rows.iter().zip(&expected) {
+            for (a, b) in r.iter().zip(e) {
+                assert!((a - b).abs() < 1e-12, "{rows:?}");
+            }
+        }
+        let want: Vec<u32> = serde_json::from_value(case["expected"]["draft_tokens"].clone()).unwrap();
+        assert_eq!(tokens, want);
+    }
+
+    #[test]
+    fn gated_head_scales_the_embedding_by_the_gate() {
+        // V = 2, r = 1, H = 1. gate = σ(0.5·h + 1·e + 0); bias = W2 · (gate · e).
+        let m = MarkovHead {
+            kind: MarkovHeadType::Gated,
+            rank: 1,
+            hidden: 1,
+            w1: vec![1.0, 2.0],
+            w2: vec![1.0, -1.0],
+            proj: Some((vec![0.5, 1.0], vec![0.0])),
+        };
+        let (latent, _) = m.latent(1, &[2.0], &[]);
+        let gate = sigmoid(0.5 * 2.0 + 2.0);
+        assert!((latent[0] - gate * 2.0).abs() < 1e-12);
+        let mut row = vec![0.0, 0.0];
+        m.add_bias(&mut row, &latent);
+        assert!((row[0] - gate * 2.0).abs() < 1e-12 && (row[1] + gate * 2.0).abs() < 1e-12);
+    }
+
+    #[test]
+    fn rnn_head_carries_its_state_across_steps() {
+        // V = 2, r = 1, H = 1; input [s; e; h] -> [gate; candidate; output].
+        let w = vec![
+            0.0, 0.0, 0.0, // gate row: gate = σ(0) = 0.5
+            0.0, 1.0, 0.0, // candidate row: tanh(e)
+            1.0, 0.0, 1.0, // output row: tanh(s + h)
+        ];
+        let m = MarkovHead {
+            kind: MarkovHeadType::Rnn,
+            rank: 1,
+            hidden: 1,
+            w1: vec![0.5, 1.5],
+            w2: vec![2.0, 0.0],
+            proj: Some((w, vec![0.0, 0.0, 0.0])),
+        };
+        // Step 1 from the zero state: new state 0.5·0 + 0.5·tanh(e); output tanh(0 + h).
+        let (out1, s1) = m.latent(1, &[0.25], &m.initial_state());
+        assert!((s1[0] - 0.5 * 1.5f64.tanh()).abs() < 1e-12);
+        assert!((out1[0] - 0.25f64.tanh()).abs() < 1e-12, "the output reads the old state");
+        // Step 2 reads the carried state.
+        let (out2, s2) = m.latent(0, &[0.0], &s1);
+        assert!((out2[0] - s1[0].tanh()).abs() < 1e-12);
+        assert!((s2[0] - (0.5 * s1[0] + 0.5 * 0.5f64.tanh())).abs() < 1e-12);
+    }
+
+    #[test]
+    fn confidence_reads_the_previous_embedding_only_when_asked() {
+        let c = ConfidenceHead { weight: vec![1.0, 2.0, 3.0], bias: 0.5, with_markov: true };
+        assert!((c.logit(&[1.0, 1.0], Some(&[2.0])) - (0.5 + 3.0 + 6.0)).abs() < 1e-12);
+        let c = ConfidenceHead { weight: vec![1.0, 2.0], bias: 0.5, with_markov: false };
+        assert!((c.logit(&[1.0, 1.0], Some(&[2.0])) - 3.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn softmax_with_temperature_by_hand() {
+        let p = softmax_t(&[0.0, 2.0f64.ln()], 0.5);
+        assert!((p[1] - 0.8).abs() < 1e-12);
+    }
+}
