@@ -125,6 +125,19 @@ impl Checkpoint {
         self.shards.iter().flat_map(|s| s.tensors.values()).map(|(_, _, r)| r.len() as u64).sum()
     }
 
+    /// A callback to run after each tensor is loaded: adds its bytes and reports
+    /// `(bytes loaded, bytes in all)` to `progress`.
+    pub fn reporter<'a>(&'a self, progress: Option<ProgressFn<'a>>) -> impl Fn(&str) + 'a {
+        let total = self.total_bytes();
+        let done = std::cell::Cell::new(0u64);
+        move |name: &str| {
+            done.set(done.get() + self.tensor_bytes(name));
+            if let Some(progress) = progress {
+                progress(done.get(), total);
+            }
+        }
+    }
+
     /// Bytes of one tensor's data (0 when absent).
     pub fn tensor_bytes(&self, name: &str) -> u64 {
         self.index

@@ -15,22 +15,6 @@ fn target() -> Qwen3 {
     Qwen3::load(&golden().join("tiny-qwen3"), LoadOptions::default()).unwrap()
 }
 
-fn copy(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(golden().join(name)).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
-    }
-    dir
-}
-
-fn edit(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
-    let path = dir.join("config.json");
-    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    f(&mut v);
-    std::fs::write(path, v.to_string()).unwrap();
-}
-
 /// Add (or replace) seeded random f32 tensors in a draft's weights file.
 fn add_tensors(dir: &Path, extra: &[(&str, Vec<usize>, f32)]) {
     let path = dir.join("model.safetensors");
@@ -88,8 +72,8 @@ fn assert_lossless(draft: DSparkDraft, verify: VerifyPolicy) -> f64 {
 #[test]
 fn defaulted_target_layer_ids_resolve_from_the_target_and_fc() {
     let t = target();
-    let dir = copy("tiny-dspark");
-    edit(dir.path(), |c| {
+    let dir = copy_model("tiny-dspark");
+    edit_config(dir.path(), |c| {
         c.as_object_mut().unwrap().remove("target_layer_ids");
     });
     let d = load(dir.path(), &t).unwrap();
@@ -100,8 +84,8 @@ fn defaulted_target_layer_ids_resolve_from_the_target_and_fc() {
 #[test]
 fn specforge_layout_with_block_16_and_no_confidence_head() {
     let t = target();
-    let dir = copy("tiny-dspark-specforge");
-    edit(dir.path(), |c| {
+    let dir = copy_model("tiny-dspark-specforge");
+    edit_config(dir.path(), |c| {
         c["block_size"] = 16.into();
         c["dflash_config"]["enable_confidence_head"] = false.into();
         c["dflash_config"].as_object_mut().unwrap().remove("confidence_head_with_markov");
@@ -123,15 +107,15 @@ fn specforge_layout_with_block_16_and_no_confidence_head() {
 #[test]
 fn gated_and_rnn_heads_and_a_confidence_head_without_markov_input() {
     let t = target();
-    let dir = copy("tiny-dspark");
+    let dir = copy_model("tiny-dspark");
     add_tensors(
         dir.path(),
         &[("markov_head.gate_proj.weight", vec![8, 72], 0.2), ("markov_head.gate_proj.bias", vec![8], 1.0)],
     );
-    edit(dir.path(), |c| c["markov_head_type"] = "gated".into());
+    edit_config(dir.path(), |c| c["markov_head_type"] = "gated".into());
     let tau_gated = assert_lossless(load(dir.path(), &t).unwrap(), VerifyPolicy::Full);
 
-    let dir = copy("tiny-dspark");
+    let dir = copy_model("tiny-dspark");
     add_tensors(
         dir.path(),
         &[
@@ -139,12 +123,12 @@ fn gated_and_rnn_heads_and_a_confidence_head_without_markov_input() {
             ("markov_head.joint_proj.bias", vec![24], 0.1),
         ],
     );
-    edit(dir.path(), |c| c["markov_head_type"] = "rnn".into());
+    edit_config(dir.path(), |c| c["markov_head_type"] = "rnn".into());
     let tau_rnn = assert_lossless(load(dir.path(), &t).unwrap(), VerifyPolicy::Threshold(0.5));
 
-    let dir = copy("tiny-dspark");
+    let dir = copy_model("tiny-dspark");
     add_tensors(dir.path(), &[("confidence_head.proj.weight", vec![1, 64], 0.2)]);
-    edit(dir.path(), |c| c["confidence_head_with_markov"] = false.into());
+    edit_config(dir.path(), |c| c["confidence_head_with_markov"] = false.into());
     let tau_conf = assert_lossless(load(dir.path(), &t).unwrap(), VerifyPolicy::Threshold(0.5));
     eprintln!("tau: gated {tau_gated:.2}, rnn {tau_rnn:.2}, confidence without markov {tau_conf:.2}");
 }
@@ -175,8 +159,8 @@ fn a_draft_that_does_not_fit_its_target_is_refused_before_compute() {
         ("head", Box::new(|c| c["markov_head_type"] = "lstm".into()), "markov_head_type"),
     ];
     for (name, f, needle) in cases {
-        let dir = copy("tiny-dspark");
-        edit(dir.path(), f);
+        let dir = copy_model("tiny-dspark");
+        edit_config(dir.path(), f);
         let err = load(dir.path(), &t).unwrap_err();
         assert!(matches!(err, Error::Config { .. }), "{name}: {err}");
         assert!(err.to_string().contains(needle), "{name}: {err}");
@@ -191,8 +175,8 @@ fn a_draft_that_does_not_fit_its_target_is_refused_before_compute() {
     .unwrap_err();
     assert!(matches!(err, Error::InvalidInput(_)));
     // Missing Markov tensors name the tensor.
-    let dir = copy("tiny-dspark");
-    edit(dir.path(), |c| c["markov_head_type"] = "gated".into());
+    let dir = copy_model("tiny-dspark");
+    edit_config(dir.path(), |c| c["markov_head_type"] = "gated".into());
     let err = load(dir.path(), &target()).unwrap_err();
     assert!(
         matches!(&err, Error::MissingTensor { tensor, .. } if tensor == "markov_head.gate_proj.weight"),

@@ -8,26 +8,8 @@ use std::path::Path;
 use common::*;
 use dspark::{Engine, EngineConfig, Error, KvCache, LoadOptions, Qwen3, Request, SamplingParams};
 
-/// A writable copy of a golden model folder.
-fn copy_model(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(golden().join(name)).unwrap() {
-        let entry = entry.unwrap();
-        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
-    }
-    dir
-}
-
 fn load(dir: &Path) -> Result<Qwen3, Error> {
     Qwen3::load(dir, LoadOptions::default())
-}
-
-fn edit_config(dir: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
-    let path = dir.join("config.json");
-    let mut config: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-    edit(&mut config);
-    std::fs::write(path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
 }
 
 #[test]

@@ -84,14 +84,7 @@ impl DSparkDraft {
             eps: b.rms_norm_eps,
         };
         tracing::info!(dir = %dir.display(), block_size = config.block_size, ?layer_ids, "loading DSpark draft");
-        let total = ckpt.total_bytes();
-        let done = std::cell::Cell::new(0u64);
-        let report = |name: &str| {
-            done.set(done.get() + ckpt.tensor_bytes(name));
-            if let Some(progress) = options.progress {
-                progress(done.get(), total);
-            }
-        };
+        let report = ckpt.reporter(options.progress);
         let fc = ckpt.load("fc.weight", [h, layer_ids.len() * h], dtype, &device)?;
         let hidden_norm = ckpt.load("hidden_norm.weight", [h], dtype, &device)?;
         let norm = ckpt.load("norm.weight", [h], dtype, &device)?;

@@ -177,16 +177,8 @@ impl DecoderLayer {
         seqs: &[SeqRows],
         cache: &mut dyn KvCache,
     ) -> Result<Tensor<2>> {
-        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
-        let rows = x.dims()[0];
-        // 1. pre-norm, projections: q [rows, heads, hd], k/v [rows, kv_heads, hd].
-        let h = rms_norm(x.clone(), &self.input_layernorm, eps);
-        let q = linear(h.clone(), &self.q_proj).reshape([rows, heads, head_dim]);
-        let k = linear(h.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
-        let v = linear(h, &self.v_proj).reshape([rows, kv_heads, head_dim]);
-        // 2. per-head RMSNorm, then RoPE at each row's position.
-        let q = apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin);
-        let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
+        // 1-2. pre-norm, projections, per-head norms, RoPE.
+        let (q, k, v) = self.qkv(x.clone(), cos, sin);
         // 3. per sequence: store new K/V, attend over the whole context.
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs {
@@ -202,13 +194,38 @@ impl DecoderLayer {
             outs.push(attention(q_seq, k_all, v_all, AttentionMask::Causal { first: s.start }));
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
-        // 4. output projection and residual.
+        // 4-5. output projection, MLP, residuals.
+        Ok(self.finish(x, attn))
+    }
+
+    /// Pre-norm, q/k/v projections, per-head RMSNorm and RoPE.
+    ///
+    /// # Shapes
+    /// `x`: `[rows, hidden]` → q `[rows, heads, hd]`, k/v `[rows, kv_heads, hd]`.
+    fn qkv(&self, x: Tensor<2>, cos: &Tensor<2>, sin: &Tensor<2>) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
+        let rows = x.dims()[0];
+        let h = rms_norm(x, &self.input_layernorm, eps);
+        let q = linear(h.clone(), &self.q_proj).reshape([rows, heads, head_dim]);
+        let k = linear(h.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
+        let v = linear(h, &self.v_proj).reshape([rows, kv_heads, head_dim]);
+        (
+            apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin),
+            apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin),
+            v,
+        )
+    }
+
+    /// Output projection and residual, then the MLP and its residual.
+    ///
+    /// # Shapes
+    /// `x`: `[rows, hidden]`, `attn`: `[rows, heads, hd]` → `[rows, hidden]`.
+    fn finish(&self, x: Tensor<2>, attn: Tensor<3>) -> Tensor<2> {
+        let LayerShape { heads, head_dim, eps, .. } = self.shape;
+        let rows = x.dims()[0];
         let x = x + linear(attn.reshape([rows, heads * head_dim]), &self.o_proj);
-        // 5. MLP with residual.
         let h = rms_norm(x.clone(), &self.post_attention_layernorm, eps);
-        let mlp =
-            linear(swiglu(linear(h.clone(), &self.gate_proj), linear(h, &self.up_proj)), &self.down_proj);
-        Ok(x + mlp)
+        x + linear(swiglu(linear(h.clone(), &self.gate_proj), linear(h, &self.up_proj)), &self.down_proj)
     }
 }
 
@@ -262,15 +279,8 @@ impl DecoderLayer {
         lanes: &[BlockLane],
         cache: &dyn KvCache,
     ) -> Tensor<2> {
-        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
-        let rows = x.dims()[0];
         // 1. pre-norm, projections, per-head norms, RoPE at the block positions.
-        let h = rms_norm(x.clone(), &self.input_layernorm, eps);
-        let q = linear(h.clone(), &self.q_proj).reshape([rows, heads, head_dim]);
-        let k = linear(h.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
-        let v = linear(h, &self.v_proj).reshape([rows, kv_heads, head_dim]);
-        let q = apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin);
-        let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
+        let (q, k, v) = self.qkv(x.clone(), cos, sin);
         // 2. per lane: keys = [context; block], bidirectional.
         let mut outs = Vec::with_capacity(lanes.len());
         for lane in lanes {
@@ -288,8 +298,6 @@ impl DecoderLayer {
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 3. output projection, MLP, residuals.
-        let x = x + linear(attn.reshape([rows, heads * head_dim]), &self.o_proj);
-        let h = rms_norm(x.clone(), &self.post_attention_layernorm, eps);
-        x + linear(swiglu(linear(h.clone(), &self.gate_proj), linear(h, &self.up_proj)), &self.down_proj)
+        self.finish(x, attn)
     }
 }

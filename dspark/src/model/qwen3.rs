@@ -121,14 +121,7 @@ impl Qwen3 {
             head_dim: config.head_dim(),
             eps: config.rms_norm_eps,
         };
-        let total = ckpt.total_bytes();
-        let done = std::cell::Cell::new(0u64);
-        let report = |name: &str| {
-            done.set(done.get() + ckpt.tensor_bytes(name));
-            if let Some(progress) = options.progress {
-                progress(done.get(), total);
-            }
-        };
+        let report = ckpt.reporter(options.progress);
         tracing::info!(dir = %dir.display(), layers = config.num_hidden_layers, %dtype, device = %options.device, tied, "loading Qwen3 target");
         let embed_tokens = ckpt.load("model.embed_tokens.weight", [v, h], dtype, &device)?;
         report("model.embed_tokens.weight");

@@ -59,3 +59,21 @@ pub fn assert_close(what: &str, actual: &[f32], expected: &[f32], atol: f32) {
     let d = max_abs_diff(actual, expected);
     assert!(d <= atol, "{what}: max |diff| {d} > {atol}");
 }
+
+/// A writable copy of a golden model folder.
+pub fn copy_model(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(golden().join(name)).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).unwrap();
+    }
+    dir
+}
+
+/// Rewrite a model folder's `config.json` with `edit`.
+pub fn edit_config(dir: &std::path::Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    edit(&mut config);
+    std::fs::write(path, serde_json::to_string_pretty(&config).unwrap()).unwrap();
+}
