@@ -143,3 +143,60 @@ fn bad_requests_are_refused_with_typed_errors() {
     let out = engine.generate(&[Request { prompt: vec![3, 4], params: SamplingParams::greedy(0) }]).unwrap();
     assert!(out[0].tokens.is_empty() && out[0].finish.is_none());
 }
+
+#[test]
+fn bf16_and_f16_checkpoints_load_into_any_compute_dtype() {
+    use dspark::ComputeDtype;
+    let reference = load(&golden().join("tiny-qwen3")).unwrap();
+    let original = reference.embed_tokens().clone().into_data().try_to_vec::<f32>().unwrap();
+    for (dtype, round) in [
+        (safetensors::Dtype::BF16, (|v: f32| half::bf16::from_f32(v).to_f32()) as fn(f32) -> f32),
+        (safetensors::Dtype::F16, |v: f32| half::f16::from_f32(v).to_f32()),
+    ] {
+        // Rewrite every tensor of the checkpoint in the 16-bit type.
+        let dir = copy_model("tiny-qwen3");
+        let path = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let converted: Vec<(String, Vec<usize>, Vec<u8>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, view)| {
+                let data = view
+                    .data()
+                    .chunks_exact(4)
+                    .flat_map(|b| {
+                        let v = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                        match dtype {
+                            safetensors::Dtype::BF16 => half::bf16::from_f32(v).to_le_bytes(),
+                            _ => half::f16::from_f32(v).to_le_bytes(),
+                        }
+                    })
+                    .collect();
+                (name, view.shape().to_vec(), data)
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = converted
+            .iter()
+            .map(|(n, s, d)| (n.clone(), safetensors::tensor::TensorView::new(dtype, s.clone(), d).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        for compute in [ComputeDtype::F32, ComputeDtype::Bf16] {
+            let model =
+                Qwen3::load(dir.path(), LoadOptions { dtype: compute, ..LoadOptions::default() }).unwrap();
+            let loaded =
+                model.embed_tokens().clone().into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+            let expected: Vec<f32> = original
+                .iter()
+                .map(|&v| {
+                    if compute == ComputeDtype::F32 {
+                        round(v)
+                    } else {
+                        half::bf16::from_f32(round(v)).to_f32()
+                    }
+                })
+                .collect();
+            assert_eq!(loaded, expected, "{dtype:?} checkpoint, {compute} compute");
+        }
+    }
+}
