@@ -15,7 +15,7 @@ root = os.environ.get("DSPARK_GOLDEN", "dspark/tests/fixtures/golden")
 cases = json.load(open(os.path.join(root, "cases.json")))["sets"][0]["cases"]
 vectors = load_file(os.path.join(root, "vectors/target_prefill.safetensors"))
 for dtype in (torch.float32, torch.bfloat16):
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "tiny-qwen3"), torch_dtype=dtype).cuda().eval()
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "tiny-qwen3"), dtype=dtype).cuda().eval()
     worst = 0.0
     for case in cases:
         if case["kind"] != "target_prefill":

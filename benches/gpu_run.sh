@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # One device call: correctness on CUDA first (golden checks, f32 and bf16), then timings.
-# Expects prebuilt, stripped binaries in out/bin (built here with CUDARC_CUDA_VERSION=13000):
-#   out/bin/gpu_golden   (cargo test --release --features cuda -p dspark --test gpu_golden --no-run)
-#   out/bin/bench-target (cargo build --release --features cuda -p dspark-benches)
+# Expects prebuilt binaries, xz-compressed to fit the transfer limit, in out/carry (built here
+# in one invocation so features unify):
+#   CUDARC_CUDA_VERSION=13000 cargo build --release --features cuda --all-targets \
+#       -p dspark -p dspark-benches -p dspark-examples
+#   out/carry/gpu_golden.xz   <- target/release/deps/gpu_golden-*
+#   out/carry/bench-target.xz <- target/release/bench-target
 set -uo pipefail
 OUT=${OUT:-out/results}
-mkdir -p "$OUT"
+mkdir -p "$OUT" out/bin
+for f in out/carry/*.xz; do xz -dc "$f" > "out/bin/$(basename "$f" .xz)"; chmod +x "out/bin/$(basename "$f" .xz)"; done
 export DSPARK_GOLDEN=$PWD/dspark/tests/fixtures/golden
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 

@@ -97,10 +97,18 @@ fn main() -> dspark::Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &lanes in &args.lanes {
         let seqs: Vec<_> = (0..lanes).map(|_| cache.allocate()).collect();
-        let prompt: Vec<u32> = (0..args.context as u32).map(|i| 1000 + i).collect();
+        let vocab = model.vocab_size() as u32;
+        let prompt: Vec<u32> = (0..args.context as u32).map(|i| (1000 + 7 * i) % vocab).collect();
+        let t = Instant::now();
         for &seq in &seqs {
             model.forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &[], &mut cache)?;
         }
+        sync(&device);
+        eprintln!(
+            "lanes {lanes}: prefill of {} rows each in {:.2} s",
+            args.context,
+            t.elapsed().as_secs_f64()
+        );
         let mut next: Vec<[u32; 1]> = vec![[7]; lanes];
         let mut times = Vec::new();
         for step in 0..args.steps + 3 {
@@ -116,8 +124,10 @@ fn main() -> dspark::Result<()> {
             let ids: Tensor<2, Int> = logits.argmax(1);
             let ids = ids.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
             next = ids.iter().map(|&i| [i as u32]).collect();
+            let elapsed = t.elapsed().as_secs_f64();
+            eprintln!("lanes {lanes}: step {step} {:.2} ms", elapsed * 1e3);
             if step >= 3 {
-                times.push(t.elapsed().as_secs_f64());
+                times.push(elapsed);
             }
         }
         times.sort_by(f64::total_cmp);
