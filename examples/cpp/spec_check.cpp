@@ -1,0 +1,108 @@
+// Links libdspark_capi, runs greedy speculative generation on the tiny golden models and checks
+// it against target-only generation, token for token.
+//
+//   cargo build -p dspark-capi
+//   g++ -std=c++17 -Iinclude examples/cpp/spec_check.cpp -Ltarget/debug -ldspark_capi -o spec_check
+//   LD_LIBRARY_PATH=target/debug ./spec_check dspark/tests/fixtures/golden
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "dspark.h"
+
+namespace {
+
+struct Engine {
+    DsparkEngine* handle = nullptr;
+    ~Engine() { dspark_engine_free(handle); }
+};
+
+bool check(DsparkStatus status, const char* what) {
+    if (status != DSPARK_STATUS_OK) {
+        std::fprintf(stderr, "%s failed (status %d): %s\n", what, static_cast<int>(status), dspark_last_error_message());
+        return false;
+    }
+    return true;
+}
+
+void log_line(int32_t level, const char* message, void* user) {
+    auto* count = static_cast<int*>(user);
+    ++*count;
+    std::fprintf(stderr, "[dspark log %d] %s\n", level, message);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    if (argc != 2) {
+        std::fprintf(stderr, "usage: %s GOLDEN_DIR\n", argv[0]);
+        return 2;
+    }
+    const std::string root = argv[1];
+    const std::string target = root + "/tiny-qwen3";
+    const std::string draft = root + "/tiny-dspark";
+    int log_lines = 0;
+    if (!check(dspark_set_log_callback(log_line, &log_lines, 3), "dspark_set_log_callback")) return 1;
+    std::printf("dspark %s\n", dspark_version());
+
+    DsparkEngineParams params = dspark_engine_default_params();
+    Engine plain, spec;
+    if (!check(dspark_engine_create(target.c_str(), nullptr, &params, &plain.handle), "create target-only")) return 1;
+    if (!check(dspark_engine_create(target.c_str(), draft.c_str(), &params, &spec.handle), "create speculative"))
+        return 1;
+
+    const std::vector<uint32_t> prompt = {37, 35, 253, 491, 331};
+    DsparkSamplingParams sampling = dspark_sampling_default_params();
+    sampling.max_new_tokens = 24;
+    std::vector<uint32_t> a(sampling.max_new_tokens), b(sampling.max_new_tokens);
+    size_t a_len = 0, b_len = 0;
+    DsparkGenerationStats stats{};
+    if (!check(dspark_engine_generate(plain.handle, prompt.data(), prompt.size(), &sampling, a.data(), a.size(),
+                                      &a_len, nullptr),
+               "generate target-only"))
+        return 1;
+    if (!check(dspark_engine_generate(spec.handle, prompt.data(), prompt.size(), &sampling, b.data(), b.size(),
+                                      &b_len, &stats),
+               "generate speculative"))
+        return 1;
+    a.resize(a_len);
+    b.resize(b_len);
+    std::printf("speculative: %zu tokens in %zu rounds, tau %.2f, %zu of %zu drafts accepted\n", b_len, stats.rounds,
+                stats.tau, stats.accepted, stats.drafted);
+    if (a != b || a_len != 24) {
+        std::fprintf(stderr, "MISMATCH between speculative and target-only output\n");
+        return 1;
+    }
+    std::printf("greedy speculative == target-only for all %zu tokens\n", a_len);
+
+    // Scoring, and errors that must come back as statuses with a message.
+    std::vector<float> logprobs(prompt.size() - 1);
+    if (!check(dspark_engine_score(plain.handle, prompt.data(), prompt.size(), logprobs.data(), logprobs.size()),
+               "score"))
+        return 1;
+    const std::vector<uint32_t> bad = {3, 512};
+    DsparkStatus status = dspark_engine_generate(plain.handle, bad.data(), bad.size(), &sampling, a.data(), a.size(),
+                                                 &a_len, nullptr);
+    if (status != DSPARK_STATUS_TOKEN_OUT_OF_RANGE) {
+        std::fprintf(stderr, "expected TOKEN_OUT_OF_RANGE, got %d\n", static_cast<int>(status));
+        return 1;
+    }
+    std::printf("bad token id -> status %d: %s\n", static_cast<int>(status), dspark_last_error_message());
+    DsparkEngine* none = nullptr;
+    status = dspark_engine_create("/nonexistent", nullptr, nullptr, &none);
+    if (status != DSPARK_STATUS_IO || none != nullptr) {
+        std::fprintf(stderr, "expected IO error, got %d\n", static_cast<int>(status));
+        return 1;
+    }
+    std::printf("bad path -> status %d: %s\n", static_cast<int>(status), dspark_last_error_message());
+    std::vector<uint32_t> tiny(2);
+    status = dspark_engine_generate(plain.handle, prompt.data(), prompt.size(), &sampling, tiny.data(), tiny.size(),
+                                    &a_len, nullptr);
+    if (status != DSPARK_STATUS_BUFFER_TOO_SMALL || a_len != 24) {
+        std::fprintf(stderr, "expected BUFFER_TOO_SMALL with length 24, got %d / %zu\n", static_cast<int>(status), a_len);
+        return 1;
+    }
+    std::printf("small buffer -> status %d, needs %zu\n", static_cast<int>(status), a_len);
+    std::printf("log lines received: %d\n", log_lines);
+    return log_lines > 0 ? 0 : 1;
+}
