@@ -197,25 +197,15 @@ fn kv_budget_exhaustion_is_a_typed_error_and_leaves_other_sequences_intact() {
     assert_eq!(cache.bytes_used(), used, "a failed reserve takes nothing");
     assert_eq!(cache.len(b).unwrap(), 0);
     // Sequence a still decodes exactly as if nothing happened.
+    let last_logits = |tokens: &[u32], seq, cache: &mut PagedKvCache| {
+        let out = model.forward(&[SeqChunk { seq, tokens, logits: LogitRows::Last }], &[], cache).unwrap();
+        out.logits.unwrap().into_data().try_to_vec::<f32>().unwrap()
+    };
     let mut fresh = cache_for(&model);
     let f = fresh.allocate();
     let both: Vec<u32> = prompts[1].iter().chain(&[42]).copied().collect();
-    let reference = model
-        .forward(&[SeqChunk { seq: f, tokens: &both, logits: LogitRows::Last }], &[], &mut fresh)
-        .unwrap()
-        .logits
-        .unwrap()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap();
-    let step = model
-        .forward(&[SeqChunk { seq: a, tokens: &[42], logits: LogitRows::Last }], &[], &mut cache)
-        .unwrap()
-        .logits
-        .unwrap()
-        .into_data()
-        .try_to_vec::<f32>()
-        .unwrap();
+    let reference = last_logits(&both, f, &mut fresh);
+    let step = last_logits(&[42], a, &mut cache);
     assert_close("decode after a failed reserve", &step, &reference, 1e-4);
     assert_eq!(before.len(), 17 * 512);
     // Through the engine: the error comes back and the engine stays usable.

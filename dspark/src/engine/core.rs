@@ -343,17 +343,7 @@ impl Engine {
                     l.stats.rounds += 1;
                 }
                 let token = l.next;
-                let params = &requests[l.request].params;
-                let (emitted, finish) = commit(&mut l, &[token], params);
-                stats.generated_tokens += emitted;
-                on_tokens(TokenEvent { request: l.request, tokens: &[token], finish });
-                match finish {
-                    Some(reason) => {
-                        self.cache.free(l.seq)?;
-                        retire(&mut out, l, reason);
-                    }
-                    None => still.push(l),
-                }
+                still.extend(self.emit(l, &[token], requests, &mut out, &mut stats, on_tokens)?);
             }
             first = false;
             live = still;
@@ -373,6 +363,34 @@ impl Engine {
         stats.decode_time = decode_started.elapsed();
         self.last_stats = stats;
         Ok(out)
+    }
+
+    /// Commit `tokens` to a lane, stream what was committed, and retire the lane (freeing its
+    /// caches) when it finished. Returns the lane when it goes on.
+    pub(super) fn emit(
+        &mut self,
+        mut l: Live,
+        tokens: &[u32],
+        requests: &[Request],
+        out: &mut [Generation],
+        stats: &mut BatchStats,
+        on_tokens: &mut dyn FnMut(TokenEvent<'_>),
+    ) -> Result<Option<Live>> {
+        let params = &requests[l.request].params;
+        let (emitted, finish) = commit(&mut l, tokens, params);
+        stats.generated_tokens += emitted;
+        on_tokens(TokenEvent { request: l.request, tokens: &tokens[..emitted], finish });
+        match finish {
+            Some(reason) => {
+                self.cache.free(l.seq)?;
+                if let (Some(d), Some(seq)) = (self.draft.as_mut(), l.draft_seq) {
+                    d.end(seq)?;
+                }
+                retire(out, l, reason);
+                Ok(None)
+            }
+            None => Ok(Some(l)),
+        }
     }
 
     /// Allocate target (and draft) sequences for every request that wants tokens.

@@ -10,9 +10,7 @@ use std::time::Instant;
 use burn::tensor::Tensor;
 
 use super::BatchStats;
-use super::core::{
-    Engine, Live, Request, RoundRecord, TokenEvent, VerifyPolicy, commit, prompt_chunks, read_f32, retire,
-};
+use super::core::{Engine, Live, Request, RoundRecord, TokenEvent, VerifyPolicy, prompt_chunks, read_f32};
 use crate::accept::{chain_verify_seeded, greedy_verify};
 use crate::engine::Generation;
 use crate::error::{Error, Result};
@@ -65,16 +63,9 @@ impl Engine {
         // 2. the first token comes from the prefill, as in target-only decoding.
         let decode_started = Instant::now();
         let mut still = Vec::with_capacity(live.len());
-        for mut l in live {
+        for l in live {
             let token = l.next;
-            let params = &requests[l.request].params;
-            let (emitted, finish) = commit(&mut l, &[token], params);
-            stats.generated_tokens += emitted;
-            on_tokens(TokenEvent { request: l.request, tokens: &[token], finish });
-            match finish {
-                Some(reason) => self.release(&mut out, l, reason)?,
-                None => still.push(l),
-            }
+            still.extend(self.emit(l, &[token], requests, &mut out, &mut stats, on_tokens)?);
         }
         live = still;
         // 3. speculative rounds.
@@ -145,13 +136,11 @@ impl Engine {
                 stats.drafted += m;
                 stats.accepted += a;
                 // 5. commit accepted drafts + bonus, cut by stop tokens and max_new_tokens.
-                let (emitted, finish) = commit(&mut l, &verdict.committed, params);
-                stats.generated_tokens += emitted;
-                on_tokens(TokenEvent { request: l.request, tokens: &verdict.committed[..emitted], finish });
-                if let Some(reason) = finish {
-                    self.release(&mut out, l, reason)?;
+                let Some(mut l) =
+                    self.emit(l, &verdict.committed, requests, &mut out, &mut stats, on_tokens)?
+                else {
                     continue;
-                }
+                };
                 // 6. keep rows [anchor, d1..d_a] in the target cache; feed their features to the draft.
                 self.cache.truncate(l.seq, position + a + 1)?;
                 let lane_rows = output.rows[i].clone();
@@ -186,15 +175,6 @@ impl Engine {
                 "cache lengths diverged: target {target}, draft {draft}, committed {committed}"
             )));
         }
-        Ok(())
-    }
-
-    fn release(&mut self, out: &mut [Generation], l: Live, reason: super::FinishReason) -> Result<()> {
-        self.cache.free(l.seq)?;
-        if let (Some(d), Some(seq)) = (self.draft.as_mut(), l.draft_seq) {
-            d.end(seq)?;
-        }
-        retire(out, l, reason);
         Ok(())
     }
 }
