@@ -164,6 +164,44 @@ enum DsparkStatus dspark_set_log_callback(DsparkLogCallback callback,
                                           void *user,
                                           int32_t max_level);
 
+// Greedy acceptance for an engine that owns its target: accept the longest prefix of `drafts`
+// equal to the target's argmax rows, then the target's token at the first mismatch (or at the
+// extra row). `target_argmax` has `num_drafts + 1` entries. Writes the committed tokens
+// (accepted drafts + bonus) and the accepted count.
+//
+// # Safety
+// `drafts` holds `num_drafts` ids, `target_argmax` `num_drafts + 1`; `out_committed` holds
+// `out_capacity` ids (`num_drafts + 1` always suffices); `out_len` and `out_accepted` are valid.
+enum DsparkStatus dspark_accept_greedy(const uint32_t *drafts,
+                                       size_t num_drafts,
+                                       const uint32_t *target_argmax,
+                                       uint32_t *out_committed,
+                                       size_t out_capacity,
+                                       size_t *out_len,
+                                       size_t *out_accepted);
+
+// Sampled acceptance (chain rejection with the `max(0, p − q)` residual) for an engine that
+// owns its target. `p` is `(num_drafts + 1) × vocab` target probabilities (after temperature,
+// top-k, top-p), `q` is `num_drafts × vocab`: the distributions the drafts were drawn from.
+// Coins come from `(seed, absolute position)`, `first_position` being the position of
+// `drafts[0]`, so the result does not depend on batching. Writes the committed tokens and the
+// accepted count.
+//
+// # Safety
+// The arrays hold the lengths stated; `out_committed` holds `out_capacity` ids; `out_len` and
+// `out_accepted` are valid.
+enum DsparkStatus dspark_accept_chain(const uint32_t *drafts,
+                                      size_t num_drafts,
+                                      const float *p,
+                                      const float *q,
+                                      size_t vocab,
+                                      uint64_t seed,
+                                      size_t first_position,
+                                      uint32_t *out_committed,
+                                      size_t out_capacity,
+                                      size_t *out_len,
+                                      size_t *out_accepted);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

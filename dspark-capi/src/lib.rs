@@ -520,3 +520,107 @@ pub unsafe extern "C" fn dspark_set_log_callback(
         Ok(())
     })
 }
+
+/// Write a verdict's committed tokens and accepted count to the caller's buffers.
+fn write_verdict(
+    verdict: &dspark::accept::Verdict,
+    out_committed: *mut u32,
+    out_capacity: usize,
+    out_len: *mut usize,
+    out_accepted: *mut usize,
+) -> Result<(), (DsparkStatus, String)> {
+    if out_len.is_null() || out_accepted.is_null() {
+        return Err(invalid("out_len or out_accepted is null"));
+    }
+    // SAFETY: both checked non-null; the caller promises they are valid.
+    unsafe {
+        *out_len = verdict.committed.len();
+        *out_accepted = verdict.accepted;
+    }
+    if verdict.committed.len() > out_capacity || out_committed.is_null() {
+        return Err((
+            DsparkStatus::BufferTooSmall,
+            format!("{} committed tokens, out_capacity is {out_capacity}", verdict.committed.len()),
+        ));
+    }
+    // SAFETY: out_committed holds out_capacity >= len ids.
+    unsafe {
+        std::ptr::copy_nonoverlapping(verdict.committed.as_ptr(), out_committed, verdict.committed.len())
+    };
+    Ok(())
+}
+
+/// Greedy acceptance for an engine that owns its target: accept the longest prefix of `drafts`
+/// equal to the target's argmax rows, then the target's token at the first mismatch (or at the
+/// extra row). `target_argmax` has `num_drafts + 1` entries. Writes the committed tokens
+/// (accepted drafts + bonus) and the accepted count.
+///
+/// # Safety
+/// `drafts` holds `num_drafts` ids, `target_argmax` `num_drafts + 1`; `out_committed` holds
+/// `out_capacity` ids (`num_drafts + 1` always suffices); `out_len` and `out_accepted` are valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dspark_accept_greedy(
+    drafts: *const u32,
+    num_drafts: usize,
+    target_argmax: *const u32,
+    out_committed: *mut u32,
+    out_capacity: usize,
+    out_len: *mut usize,
+    out_accepted: *mut usize,
+) -> DsparkStatus {
+    guard(|| {
+        // SAFETY: per this function's contract.
+        let drafts = unsafe { slice_arg(drafts, num_drafts, "drafts") }?;
+        // SAFETY: per this function's contract.
+        let argmax = unsafe { slice_arg(target_argmax, num_drafts + 1, "target_argmax") }?;
+        let verdict = dspark::accept::greedy_verify(drafts, argmax, None).map_err(fail)?;
+        write_verdict(&verdict, out_committed, out_capacity, out_len, out_accepted)
+    })
+}
+
+/// Sampled acceptance (chain rejection with the `max(0, p − q)` residual) for an engine that
+/// owns its target. `p` is `(num_drafts + 1) × vocab` target probabilities (after temperature,
+/// top-k, top-p), `q` is `num_drafts × vocab`: the distributions the drafts were drawn from.
+/// Coins come from `(seed, absolute position)`, `first_position` being the position of
+/// `drafts[0]`, so the result does not depend on batching. Writes the committed tokens and the
+/// accepted count.
+///
+/// # Safety
+/// The arrays hold the lengths stated; `out_committed` holds `out_capacity` ids; `out_len` and
+/// `out_accepted` are valid.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dspark_accept_chain(
+    drafts: *const u32,
+    num_drafts: usize,
+    p: *const f32,
+    q: *const f32,
+    vocab: usize,
+    seed: u64,
+    first_position: usize,
+    out_committed: *mut u32,
+    out_capacity: usize,
+    out_len: *mut usize,
+    out_accepted: *mut usize,
+) -> DsparkStatus {
+    guard(|| {
+        if vocab == 0 {
+            return Err(invalid("vocab is 0"));
+        }
+        // SAFETY: per this function's contract.
+        let drafts = unsafe { slice_arg(drafts, num_drafts, "drafts") }?;
+        // SAFETY: per this function's contract.
+        let p = unsafe { slice_arg(p, (num_drafts + 1) * vocab, "p") }?;
+        // SAFETY: per this function's contract.
+        let q = unsafe { slice_arg(q, num_drafts * vocab, "q") }?;
+        let widen = |rows: &[f32]| -> Vec<Vec<f64>> {
+            rows.chunks_exact(vocab).map(|r| r.iter().map(|&x| f64::from(x)).collect()).collect()
+        };
+        let (p, q) = (widen(p), widen(q));
+        let p_rows: Vec<&[f64]> = p.iter().map(Vec::as_slice).collect();
+        let q_rows: Vec<&[f64]> = q.iter().map(Vec::as_slice).collect();
+        let verdict =
+            dspark::accept::chain_verify_seeded(drafts, &p_rows, &q_rows, seed, first_position, None)
+                .map_err(fail)?;
+        write_verdict(&verdict, out_committed, out_capacity, out_len, out_accepted)
+    })
+}

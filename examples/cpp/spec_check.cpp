@@ -103,6 +103,39 @@ int main(int argc, char** argv) {
         return 1;
     }
     std::printf("small buffer -> status %d, needs %zu\n", static_cast<int>(status), a_len);
+
+    // Acceptance functions for engines that own their target (host buffers).
+    {
+        const std::vector<uint32_t> drafts = {11, 12, 13, 14};
+        const std::vector<uint32_t> argmax = {11, 12, 99, 0, 0};
+        std::vector<uint32_t> committed(drafts.size() + 1);
+        size_t len = 0, accepted = 0;
+        if (!check(dspark_accept_greedy(drafts.data(), drafts.size(), argmax.data(), committed.data(),
+                                        committed.size(), &len, &accepted),
+                   "dspark_accept_greedy"))
+            return 1;
+        if (accepted != 2 || len != 3 || committed[2] != 99) {
+            std::fprintf(stderr, "greedy acceptance: accepted %zu, len %zu\n", accepted, len);
+            return 1;
+        }
+        // One-hot target rows: a draft is accepted iff it is the target's token; the bonus is the
+        // target's token at the first rejection, whatever the coins.
+        const size_t vocab = 4;
+        const std::vector<uint32_t> d = {1, 3};
+        std::vector<float> p((d.size() + 1) * vocab, 0.0f), q(d.size() * vocab, 0.25f);
+        p[0 * vocab + 1] = 1.0f;  // row 0 wants 1: draft 1 accepted
+        p[1 * vocab + 2] = 1.0f;  // row 1 wants 2: draft 3 rejected, residual -> 2
+        p[2 * vocab + 0] = 1.0f;
+        if (!check(dspark_accept_chain(d.data(), d.size(), p.data(), q.data(), vocab, 7, 10, committed.data(),
+                                       committed.size(), &len, &accepted),
+                   "dspark_accept_chain"))
+            return 1;
+        if (accepted != 1 || len != 2 || committed[0] != 1 || committed[1] != 2) {
+            std::fprintf(stderr, "chain acceptance: accepted %zu, len %zu\n", accepted, len);
+            return 1;
+        }
+        std::printf("acceptance functions: greedy and chain verdicts as expected\n");
+    }
     std::printf("log lines received: %d\n", log_lines);
     return log_lines > 0 ? 0 : 1;
 }
