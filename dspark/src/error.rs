@@ -106,14 +106,6 @@ pub enum Error {
     /// A sequence id is unknown to the cache (never allocated, or freed).
     #[error("unknown sequence {0}")]
     UnknownSequence(u64),
-    /// A sequence would grow past the model's maximum position.
-    #[error("sequence length {len} exceeds the model's maximum of {max}")]
-    SequenceTooLong {
-        /// Requested length.
-        len: usize,
-        /// Maximum supported length.
-        max: usize,
-    },
     /// A device or dtype name is not recognised, or the build lacks its backend.
     #[error("unsupported device or dtype: {0}")]
     Unsupported(String),
