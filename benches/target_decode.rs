@@ -3,7 +3,8 @@
 //! Builds a Qwen3-8B-shaped target (36 layers, hidden 4096, 32/8 heads, head_dim 128,
 //! FFN 12288, vocab 151936) directly on the device, measures the device-copy bandwidth as the
 //! ceiling, then times target-only decode steps (forward + on-device argmax + token readback, the
-//! engine's per-step work) at each lane count. Prints a markdown table.
+//! engine's per-step work) at each lane count, after `--context` untimed steps of the same shape
+//! that build the KV context and compile every kernel. Prints a markdown table.
 //!
 //! ```text
 //! bench-target --device cuda --dtype bf16 --lanes 1,16 --steps 20
@@ -30,10 +31,10 @@ struct Args {
     /// Lane counts to time.
     #[arg(long, value_delimiter = ',', default_value = "1,16")]
     lanes: Vec<usize>,
-    /// Prompt rows per lane before timing.
-    #[arg(long, default_value_t = 128)]
+    /// Untimed decode steps per lane before timing (they build the context and warm up).
+    #[arg(long, default_value_t = 64)]
     context: usize,
-    /// Timed decode steps per lane count (after 3 warm-up steps).
+    /// Timed decode steps per lane count.
     #[arg(long, default_value_t = 20)]
     steps: usize,
     /// Bytes of the copy used to measure the bandwidth ceiling.
@@ -97,21 +98,14 @@ fn main() -> dspark::Result<()> {
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for &lanes in &args.lanes {
         let seqs: Vec<_> = (0..lanes).map(|_| cache.allocate()).collect();
+        // The context is built by decode steps of the timed shape (one row per lane), so the
+        // run compiles only the kernels it times: a separate long prefill would add its own
+        // (slow, first-use) kernel compilations for nothing. The untimed steps are the warm-up.
         let vocab = model.vocab_size() as u32;
-        let prompt: Vec<u32> = (0..args.context as u32).map(|i| (1000 + 7 * i) % vocab).collect();
-        let t = Instant::now();
-        for &seq in &seqs {
-            model.forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &[], &mut cache)?;
-        }
-        sync(&device);
-        eprintln!(
-            "lanes {lanes}: prefill of {} rows each in {:.2} s",
-            args.context,
-            t.elapsed().as_secs_f64()
-        );
-        let mut next: Vec<[u32; 1]> = vec![[7]; lanes];
+        let mut next: Vec<[u32; 1]> = (0..lanes as u32).map(|i| [(100 + 7 * i) % vocab]).collect();
         let mut times = Vec::new();
-        for step in 0..args.steps + 3 {
+        let start = Instant::now();
+        for step in 0..args.context + args.steps {
             sync(&device);
             let t = Instant::now();
             let chunks: Vec<SeqChunk<'_>> = seqs
@@ -125,8 +119,14 @@ fn main() -> dspark::Result<()> {
             let ids = ids.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
             next = ids.iter().map(|&i| [i as u32]).collect();
             let elapsed = t.elapsed().as_secs_f64();
-            eprintln!("lanes {lanes}: step {step} {:.2} ms", elapsed * 1e3);
-            if step >= 3 {
+            if step < 4 || step % 32 == 0 || step >= args.context {
+                eprintln!(
+                    "lanes {lanes}: step {step} {:.2} ms (run {:.1} s)",
+                    elapsed * 1e3,
+                    start.elapsed().as_secs_f64()
+                );
+            }
+            if step >= args.context {
                 times.push(elapsed);
             }
         }

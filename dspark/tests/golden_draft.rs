@@ -32,15 +32,6 @@ fn host(t: Tensor<2>) -> Vec<f32> {
     t.into_data().try_to_vec::<f32>().unwrap()
 }
 
-/// The expected tensor a case refers to, following `{"from": case, "tensor": name}` links.
-fn expected(reference: &serde_json::Value) -> Vec<f32> {
-    if let Some(from) = reference.get("from") {
-        let case = set()["cases"].as_array().unwrap().iter().find(|c| c["id"] == *from).unwrap().clone();
-        return tensor(&case["expected"][reference["tensor"].as_str().unwrap()]).0;
-    }
-    tensor(reference).0
-}
-
 #[test]
 fn draft_block_matches_golden_for_both_layouts() {
     let t = target();
@@ -188,4 +179,14 @@ fn stop_tokens_cut_the_commit_as_the_reference_does() {
             case["id"]
         );
     }
+}
+
+/// The device-parametrised check that the GPU suite runs, held here on CPU to the f32 bounds.
+#[test]
+fn draft_block_check_used_by_the_gpu_suite_holds_on_cpu() {
+    let d = checks::draft_block_diffs(dspark::DeviceKind::Cpu, dspark::ComputeDtype::F32);
+    assert_eq!(d.cases, 2 * cases_of("draft_block").len());
+    assert!(d.tokens_equal, "{d:?}");
+    assert!(d.context_rel < 1e-5 && d.hidden_rel < 1e-5 && d.base_rel < 1e-5, "{d:?}");
+    assert!(d.corrected_rel < 1e-5 && d.confidence_abs < 2e-5, "{d:?}");
 }

@@ -80,6 +80,17 @@ fn cuda_batched_generation_equals_one_at_a_time() {
     }
 }
 
+#[test]
+fn cuda_f32_draft_block_matches_golden() {
+    // Both layouts, every draft_block case: context projection, block hidden, base logits on the
+    // device; Markov pass and confidence on the host from those. Same TF32 bound as the target.
+    let d = checks::draft_block_diffs(CUDA, ComputeDtype::F32);
+    println!("cuda f32 draft block: {d:?}");
+    assert!(d.cases > 0 && d.tokens_equal, "{d:?}");
+    assert!(d.context_rel <= 0.01 && d.hidden_rel <= 0.01 && d.base_rel <= 0.01, "{d:?}");
+    assert!(d.corrected_rel <= 0.01 && d.confidence_abs <= 0.01, "{d:?}");
+}
+
 fn spec_engine(dtype: ComputeDtype, layout: &str, verify: dspark::VerifyPolicy) -> Engine {
     let target = checks::target_on(CUDA, dtype, false);
     let options = dspark::LoadOptions { device: CUDA, dtype, progress: None };

@@ -83,3 +83,62 @@ pub fn greedy_divergence(device: DeviceKind, dtype: ComputeDtype, sharded: bool)
     assert_eq!(engine.cache().bytes_used(), 0, "every sequence is freed");
     result
 }
+
+/// Largest differences of the draft's block forward over every `draft_block` case and both
+/// layouts, each relative to the golden tensor's largest absolute value; `tokens_equal` says
+/// whether every greedy draft token matched.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DraftDiffs {
+    pub context_rel: f32,
+    pub hidden_rel: f32,
+    pub base_rel: f32,
+    pub corrected_rel: f32,
+    pub confidence_abs: f32,
+    pub cases: usize,
+    pub tokens_equal: bool,
+}
+
+pub fn draft_block_diffs(device: DeviceKind, dtype: ComputeDtype) -> DraftDiffs {
+    use burn::tensor::{Tensor, TensorData};
+    use dspark::{DSparkDraft, DraftCacheConfig, Speculator};
+
+    let target = target_on(device, dtype, false);
+    let options = LoadOptions { device, dtype, progress: None };
+    let rel = |a: &[f32], b: &[f32]| max_abs_diff(a, b) / b.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let host = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().unwrap();
+    let mut diffs = DraftDiffs { tokens_equal: true, ..DraftDiffs::default() };
+    for layout in ["tiny-dspark", "tiny-dspark-specforge"] {
+        let mut d = DSparkDraft::load(&golden().join(layout), &target, options, &DraftCacheConfig::default())
+            .unwrap();
+        for case in cases_of("draft_block") {
+            let features =
+                expected(&serde_json::json!({"from": case["context"]["from"], "tensor": "features"}));
+            let rows = features.len() / 128;
+            let features = Tensor::<2>::from_data(TensorData::new(features, [rows, 128]), target.device())
+                .cast(dtype.dtype());
+            let c = host(d.context_projection(features.clone()));
+            diffs.context_rel =
+                diffs.context_rel.max(rel(&c, &tensor(&case["expected"]["context_projection"]).0));
+            let seq = d.begin();
+            d.extend_context(seq, features).unwrap();
+            let anchor = case["anchor"].as_u64().unwrap() as u32;
+            let (hidden, base) = d.block_forward(&[(seq, anchor)]).unwrap();
+            let (hidden, base) = (host(hidden), host(base));
+            diffs.hidden_rel =
+                diffs.hidden_rel.max(rel(&hidden, &tensor(&case["expected"]["block_hidden"]).0));
+            diffs.base_rel = diffs.base_rel.max(rel(&base, &tensor(&case["expected"]["base_logits"]).0));
+            let pass = d.markov_pass(anchor, &hidden, &base, &SamplingParams::greedy(1), rows);
+            diffs.tokens_equal &= pass.tokens == ids(&case["expected"]["draft_tokens"]);
+            let corrected: Vec<f32> = pass.corrected.iter().flatten().map(|&x| x as f32).collect();
+            diffs.corrected_rel =
+                diffs.corrected_rel.max(rel(&corrected, &tensor(&case["expected"]["corrected_logits"]).0));
+            let sig: Vec<f32> =
+                pass.confidence_logits.iter().map(|&x| (1.0 / (1.0 + (-x).exp())) as f32).collect();
+            diffs.confidence_abs =
+                diffs.confidence_abs.max(max_abs_diff(&sig, &tensor(&case["expected"]["confidence"]).0));
+            diffs.cases += 1;
+            d.end(seq).unwrap();
+        }
+    }
+    diffs
+}

@@ -49,6 +49,15 @@ pub fn tensor(reference: &Value) -> (Vec<f32>, Vec<usize>) {
     (values, view.shape().to_vec())
 }
 
+/// The expected tensor a case refers to, following `{"from": case, "tensor": name}` links.
+pub fn expected(reference: &Value) -> Vec<f32> {
+    if let Some(from) = reference.get("from") {
+        let case = set()["cases"].as_array().unwrap().iter().find(|c| c["id"] == *from).unwrap().clone();
+        return tensor(&case["expected"][reference["tensor"].as_str().unwrap()]).0;
+    }
+    tensor(reference).0
+}
+
 /// Largest absolute difference.
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "length mismatch");
