@@ -103,14 +103,16 @@ def simulate(target, draft: DSparkDraft, prompts: list[list[int]], max_new_token
         cpos = ctx.unsqueeze(1) + 1 + torch.arange(gamma + 1, device=dev)
         cur = seq.gather(1, cpos)
         seq.scatter_(1, cpos, torch.where(keep, commit, cur))
+        acc_h, active_h = acc.tolist(), active.tolist()
         if record:
-            for i in torch.nonzero(active).flatten().tolist():
-                accepted_log[i].append(int(acc[i]))
-                round_log[i].append({"anchor_position": int(ctx[i]), "anchor": int(anchor[i]),
-                                     "drafted": drafts[i].tolist(), "accepted": int(acc[i])})
-        else:
-            for i in torch.nonzero(active).flatten().tolist():
-                accepted_log[i].append(int(acc[i]))
+            ctx_h, anchor_h, drafts_h = ctx.tolist(), anchor.tolist(), drafts.tolist()
+        for i in range(b):
+            if not active_h[i]:
+                continue
+            accepted_log[i].append(acc_h[i])
+            if record:
+                round_log[i].append({"anchor_position": ctx_h[i], "anchor": anchor_h[i],
+                                     "drafted": drafts_h[i], "accepted": acc_h[i]})
         rounds += active.long()
         generated += m
         ctx += m
