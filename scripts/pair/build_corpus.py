@@ -38,6 +38,7 @@ import lzma
 import os
 import random
 import re
+import shutil
 import sys
 import sysconfig
 import time
@@ -239,7 +240,7 @@ def main() -> None:
     ap.add_argument("--cargo-registry", type=Path, default=Path("~/.cargo/registry/src").expanduser())
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--heldout-permille", type=int, default=20, help="held-out share of files, per mille")
-    ap.add_argument("--max-train-tokens", type=int, default=24_000_000)
+    ap.add_argument("--max-train-tokens", type=int, default=32_000_000)
     ap.add_argument("--max-heldout-tokens", type=int, default=1_000_000)
     ap.add_argument("--tokenizer-train-bytes", type=int, default=40_000_000)
     ap.add_argument("--max-bytes-per-crate", type=int, default=1_000_000,
@@ -247,7 +248,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t0 = time.time()
-    args.out.mkdir(parents=True, exist_ok=True)
+    final = args.out
+    # Build in a side folder and swap it in at the end, so a corpus folder is never half-written.
+    args.out = final.with_name(final.name + ".partial")
+    shutil.rmtree(args.out, ignore_errors=True)
+    args.out.mkdir(parents=True)
 
     files = python_files(args.stdlib)
     n_py = len(files)
@@ -325,6 +330,9 @@ def main() -> None:
         },
     }
     (args.out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    shutil.rmtree(final, ignore_errors=True)
+    args.out.rename(final)
+    args.out = final
     print(f"wrote {args.out}: train.bin.xz {train_bytes / 1e6:.1f} MB, heldout.bin.xz "
           f"{heldout_bytes / 1e6:.1f} MB [{time.time() - t0:.0f}s]", flush=True)
 

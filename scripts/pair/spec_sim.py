@@ -146,7 +146,7 @@ def simulate(target, draft: DSparkDraft, prompts: list[list[int]], max_new_token
 def greedy_generate(target, prompts: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """Target-only greedy continuation of equal-length `prompts` `[B, P]` with a KV cache.
     Returns `[B, P + max_new_tokens]`."""
-    out = target(input_ids=prompts, use_cache=True)
+    out = target(input_ids=prompts, use_cache=True, logits_to_keep=1)
     past = out.past_key_values
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     toks = [prompts, nxt]

@@ -230,7 +230,8 @@ def generate_continuations(target, train, args, device) -> list[tuple[int, torch
     """Greedy continuations of random training-split prefixes: list of (prompt_len, `[B, P+G]`)."""
     gen = torch.Generator().manual_seed(args.seed + 1)
     chunks, total, start, i = [], 0, time.time(), 0
-    while time.time() - start < args.gen_seconds and total < args.gen_max_tokens:
+    limit = min(args.gen_seconds, args.deadline - (time.time() - T0) - args.eval_reserve - 30)
+    while (time.time() - start < limit and total < args.gen_max_tokens) or not chunks:
         p = args.gen_prompt_lens[i % len(args.gen_prompt_lens)]
         prompts = windows(train, args.gen_batch, p, gen)
         with autocast(device):
@@ -251,7 +252,7 @@ def draft_loss(draft: DSparkDraft, target, x: torch.Tensor, p: int, args, gen: t
     g = draft.block_size
     dev = x.device
     with torch.no_grad():
-        out = target(input_ids=x, output_hidden_states=True, use_cache=False)
+        out = target(input_ids=x, output_hidden_states=True, use_cache=False, logits_to_keep=1)
         feats = target_features(out.hidden_states, draft.layer_ids)
         last = out.hidden_states[-1]  # post final norm
     # anchors: positions p .. s-2 (the anchor and its first label are generated tokens)
@@ -355,13 +356,18 @@ def stage_draft(args, meta, device) -> dict:
         f"block {args.block_size}, Markov rank {args.markov_rank}")
     opt = torch.optim.AdamW(trainable, lr=args.draft_lr, betas=(0.9, 0.95), weight_decay=0.0,
                             **({"fused": True} if device.type == "cuda" else {}))
+    # Keep the whole command inside --deadline: shorten draft training if earlier parts overran.
+    budget = min(args.draft_seconds, args.deadline - (time.time() - T0) - args.eval_reserve)
+    if budget < args.draft_seconds:
+        log(f"draft: {budget:.0f}s left before the deadline (asked {args.draft_seconds:.0f}s)")
+    budget = max(budget, 10.0)
     step, start, curve = 0, time.time(), []
     stats = {}
     while True:
         elapsed = time.time() - start
-        if elapsed >= args.draft_seconds or (args.draft_steps and step >= args.draft_steps):
+        if elapsed >= budget or (args.draft_steps and step >= args.draft_steps):
             break
-        lr = lr_at(step, elapsed / args.draft_seconds, args.draft_lr, args.draft_warmup)
+        lr = lr_at(step, elapsed / budget, args.draft_lr, args.draft_warmup)
         for g_ in opt.param_groups:
             g_["lr"] = lr
         p, seqs = chunks[int(torch.randint(len(chunks), (1,), generator=gen))]
@@ -400,6 +406,7 @@ def stage_draft(args, meta, device) -> dict:
         "trainable_params": n_train,
         "steps": step,
         "train_seconds": round(train_seconds, 1),
+        "train_budget_seconds": round(budget, 1),
         "last_stats": stats,
         "curve": curve,
         "eval": tau,
@@ -426,7 +433,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-positions", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--target-seconds", type=float, default=210)
@@ -436,7 +443,7 @@ def parse_args(argv=None):
     # continuations
     ap.add_argument("--gen-seconds", type=float, default=45)
     ap.add_argument("--gen-max-tokens", type=int, default=30_000_000)
-    ap.add_argument("--gen-batch", type=int, default=2048)
+    ap.add_argument("--gen-batch", type=int, default=4096)
     ap.add_argument("--gen-tokens", type=int, default=192)
     ap.add_argument("--gen-prompt-lens", type=int, nargs="+", default=[32, 64, 128, 256])
     # draft
@@ -454,6 +461,9 @@ def parse_args(argv=None):
     ap.add_argument("--conf-alpha", type=float, default=1.0)
     ap.add_argument("--decay-gamma", type=float, default=4.0)
     ap.add_argument("--draft-seconds", type=float, default=170)
+    ap.add_argument("--deadline", type=float, default=540,
+                    help="seconds since start by which draft training must end, less --eval-reserve")
+    ap.add_argument("--eval-reserve", type=float, default=45, help="seconds kept for evaluation and export")
     ap.add_argument("--draft-steps", type=int, default=0)
     # evaluation
     ap.add_argument("--eval-prompts", type=int, default=256)
@@ -468,6 +478,7 @@ def parse_args(argv=None):
         args.num_anchors, args.draft_batch, args.markov_rank = 16, 8, 8
         args.eval_prompts, args.eval_prompt_len, args.eval_new_tokens = 8, 16, 32
         args.max_positions = 512
+        args.deadline = 1e9
     return args
 
 
