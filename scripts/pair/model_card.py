@@ -60,7 +60,7 @@ def main() -> None:
         f"- Qwen3, {tc['layers']} layers, hidden {tc['hidden']}, {tc['heads']} query / {tc['kv_heads']} KV heads of "
         f"{tc['head_dim']}, MLP {tc['intermediate']}, tied embeddings, {t['params'] / 1e6:.2f}M parameters, bf16.",
         f"- Trained {t['train_seconds']:.0f} s on {t['device']}: {t['steps']} steps of {tc['batch']} × {tc['seq']} tokens "
-        f"({t['train_tokens_seen'] / 1e6:.0f}M tokens), AdamW, peak lr {tc['lr']}, cosine.",
+        f"({t['train_tokens_seen'] / 1e6:.1f}M tokens), AdamW, peak lr {tc['lr']}, cosine.",
         f"- Held-out loss **{t['heldout_loss']:.4f}** nats/token (perplexity {t['heldout_ppl']:.2f}) over "
         f"{t['heldout_tokens_evaluated']:,} held-out tokens; last training loss {t['train_loss_last']:.4f}.",
         "",
@@ -71,7 +71,8 @@ def main() -> None:
         f"confidence head reading the Markov embedding; {d['trainable_params'] / 1e6:.2f}M trained parameters "
         "(embedding and LM head are the target's).",
         f"- Trained {d['train_seconds']:.0f} s ({d['steps']} steps) on the target's greedy continuations "
-        f"({dc['gen_tokens']} tokens) of training-split prefixes of {dc['gen_prompt_lens']} tokens: {dc['num_anchors']} "
+        f"({d.get('continuations', {}).get('sequences', '?')} sequences of {dc['gen_tokens']} generated tokens) of "
+        f"training-split prefixes of {dc['gen_prompt_lens']} tokens: {dc['num_anchors']} "
         f"anchors per sequence, {dc['draft_batch']} sequences per step, loss {dc['ce_alpha']}·CE + {dc['l1_alpha']}·L1 "
         f"(draft vs target distribution) + {dc['conf_alpha']}·confidence BCE (target: distribution overlap), "
         f"weights exp(−k/{dc['decay_gamma']}) along the block.",

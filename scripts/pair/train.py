@@ -338,7 +338,11 @@ def stage_draft(args, meta, device) -> dict:
         p_.requires_grad_(False)
     train = load_stream(args.corpus / "train.bin.xz", device)
     held = load_stream(args.corpus / "heldout.bin.xz", device)
+    t_gen = time.time()
     chunks = generate_continuations(target, train, args, device)
+    gen_info = {"sequences": sum(c.shape[0] for _, c in chunks),
+                "generated_tokens": sum(c.shape[0] for _, c in chunks) * args.gen_tokens,
+                "seconds": round(time.time() - t_gen, 1)}
     del train
 
     layer_ids = args.target_layer_ids or default_target_layer_ids(tcfg["num_hidden_layers"], args.num_feature_layers)
@@ -404,6 +408,7 @@ def stage_draft(args, meta, device) -> dict:
         "target_layer_ids": layer_ids,
         "mask_token_id": meta["mask_token_id"],
         "trainable_params": n_train,
+        "continuations": gen_info,
         "steps": step,
         "train_seconds": round(train_seconds, 1),
         "train_budget_seconds": round(budget, 1),
