@@ -13,7 +13,7 @@
 typedef enum DsparkStatus {
   // Success.
   DSPARK_STATUS_OK = 0,
-  // A null pointer, a bad UTF-8 string or an out-of-range parameter.
+  // A null pointer, a bad UTF-8 string, an out-of-range parameter or an unknown sequence id.
   DSPARK_STATUS_INVALID_ARGUMENT = 1,
   // A file could not be read.
   DSPARK_STATUS_IO = 2,
@@ -32,6 +32,9 @@ typedef enum DsparkStatus {
   // A Rust panic was caught at the boundary.
   DSPARK_STATUS_PANIC = 9,
 } DsparkStatus;
+
+// A DSpark draft bound to a target's weights. Opaque.
+typedef struct DsparkDraft DsparkDraft;
 
 // An engine: a Qwen3 target, optionally with a DSpark draft. Opaque.
 typedef struct DsparkEngine DsparkEngine;
@@ -90,6 +93,48 @@ typedef struct DsparkGenerationStats {
 
 // A log sink: `level` is 1 (error) to 5 (trace); `message` is valid during the call only.
 typedef void (*DsparkLogCallback)(int32_t level, const char *message, void *user);
+
+// Settings of [`dspark_draft_create`]. Start from [`dspark_draft_default_params`].
+typedef struct DsparkDraftParams {
+  // `"cpu"`, `"cuda"` or `"cuda:N"`; null means `"cpu"`.
+  const char *device;
+  // Compute dtype: `"f32"`, `"bf16"` or `"f16"`; null means `"f32"`.
+  const char *dtype;
+  // Byte budget of the draft's context K/V, in MiB, shared by all its sequences.
+  size_t kv_budget_mib;
+} DsparkDraftParams;
+
+// The target weights a draft borrows (a DSpark draft has no embedding or LM head of its own).
+// Both matrices are `[vocab_size, hidden_size]`, row-major, little-endian values of `dtype`.
+// The buffers are copied during [`dspark_draft_create`] and may be released after it returns.
+typedef struct DsparkTargetWeights {
+  // The target's input embedding.
+  const void *embed_tokens;
+  // The target's output head; null when the target ties it to the embedding.
+  const void *lm_head;
+  // Element type of both buffers: `"f32"`, `"bf16"` or `"f16"`; null means `"f32"`.
+  const char *dtype;
+  // Rows of both matrices.
+  size_t vocab_size;
+  // Columns of both matrices.
+  size_t hidden_size;
+  // Decoder layers of the target (the draft's feature layers are checked against it).
+  size_t num_hidden_layers;
+} DsparkTargetWeights;
+
+// Shape facts of a loaded draft.
+typedef struct DsparkDraftInfo {
+  // γ: tokens per proposal.
+  size_t block_size;
+  // How many target layers feed the draft (see [`dspark_draft_feature_layers`]).
+  size_t num_feature_layers;
+  // Floats per feature row: `num_feature_layers · hidden_size`.
+  size_t feature_width;
+  // The vocabulary size (length of each proposal distribution row).
+  size_t vocab_size;
+  // Whether proposals carry per-position confidences.
+  bool has_confidence;
+} DsparkDraftInfo;
 
 #ifdef __cplusplus
 extern "C" {
@@ -201,6 +246,101 @@ enum DsparkStatus dspark_accept_chain(const uint32_t *drafts,
                                       size_t out_capacity,
                                       size_t *out_len,
                                       size_t *out_accepted);
+
+// Default draft settings: CPU, f32, 64 MiB of context K/V.
+struct DsparkDraftParams dspark_draft_default_params(void);
+
+// Load a DSpark draft folder (released or SpecForge layout) bound to the given target weights.
+// The draft is checked against the target (hidden size, vocabulary, feature layers, mask id)
+// before any compute. On success `*out` owns a new handle; free it with [`dspark_draft_free`].
+//
+// # Safety
+// `draft_dir` is a NUL-terminated string; `weights` is valid and its buffers hold
+// `vocab_size · hidden_size` values each; `params` is null (defaults) or valid; `out` is valid.
+enum DsparkStatus dspark_draft_create(const char *draft_dir,
+                                      const struct DsparkTargetWeights *weights,
+                                      const struct DsparkDraftParams *params,
+                                      struct DsparkDraft **out);
+
+// Release a draft and every sequence it holds. Null is ignored.
+//
+// # Safety
+// `draft` is null or a handle from [`dspark_draft_create`] not freed before.
+void dspark_draft_free(struct DsparkDraft *draft);
+
+// Write the draft's shape facts to `*out`.
+//
+// # Safety
+// `draft` is a live handle; `out` is valid.
+enum DsparkStatus dspark_draft_info(struct DsparkDraft *draft, struct DsparkDraftInfo *out);
+
+// The target layers whose residual outputs (Hugging Face `hidden_states[l + 1]`) feed the
+// draft, in the order their features are concatenated in a feature row. Writes
+// `num_feature_layers` ids to `out_ids` (which holds `out_capacity`).
+//
+// # Safety
+// `draft` is a live handle; `out_ids` holds `out_capacity` values.
+enum DsparkStatus dspark_draft_feature_layers(struct DsparkDraft *draft,
+                                              size_t *out_ids,
+                                              size_t out_capacity);
+
+// Begin a sequence whose committed prefix (the prompt) has `rows` feature rows: the target's
+// captured features of prompt positions `0..rows`, `rows × feature_width` floats. The anchor
+// of the first proposal is then the token at position `rows` (the target's first generated
+// token). Writes the new sequence id to `*out_seq`. On failure no sequence is created.
+//
+// # Safety
+// `draft` is a live handle; `features` holds `rows · feature_width` floats; `out_seq` is valid.
+enum DsparkStatus dspark_draft_begin(struct DsparkDraft *draft,
+                                     const float *features,
+                                     size_t rows,
+                                     uint64_t *out_seq);
+
+// Propose `block_size` tokens after `anchor` (the last committed token, not yet in the draft's
+// context) for sequence `seq`. Greedy when `params.temperature` is 0; otherwise each token is
+// sampled from the temperature-scaled full-vocabulary distribution, with coins from
+// `(params.seed, position)` so results do not depend on other sequences. Writes the tokens to
+// `out_tokens` (`block_size` ids). `out_q` (may be null) receives, when sampling, the
+// `block_size × vocab_size` distributions the tokens were drawn from, ready for
+// [`crate::dspark_accept_chain`]; when greedy it is left untouched. `out_confidence` (may be
+// null) receives `block_size` per-position acceptance estimates when the draft has a
+// confidence head.
+//
+// # Safety
+// `draft` is a live handle; `params` null or valid; the output arrays null or of the sizes stated.
+enum DsparkStatus dspark_draft_propose(struct DsparkDraft *draft,
+                                       uint64_t seq,
+                                       uint32_t anchor,
+                                       const struct DsparkSamplingParams *params,
+                                       uint32_t *out_tokens,
+                                       float *out_q,
+                                       float *out_confidence);
+
+// Commit `rows` rows to sequence `seq`: the target's captured features of the newly
+// committed positions (the previous anchor and the accepted draft tokens; the bonus token
+// becomes the next anchor), `rows × feature_width` floats. All or nothing: on failure (e.g.
+// `DSPARK_STATUS_KV_CACHE_FULL`) the sequence is unchanged.
+//
+// # Safety
+// `draft` is a live handle; `features` holds `rows · feature_width` floats.
+enum DsparkStatus dspark_draft_commit(struct DsparkDraft *draft,
+                                      uint64_t seq,
+                                      const float *features,
+                                      size_t rows);
+
+// Committed length (feature rows) of sequence `seq`, written to `*out_len`.
+//
+// # Safety
+// `draft` is a live handle; `out_len` is valid.
+enum DsparkStatus dspark_draft_context_len(struct DsparkDraft *draft,
+                                           uint64_t seq,
+                                           size_t *out_len);
+
+// End sequence `seq` and free its context K/V.
+//
+// # Safety
+// `draft` is a live handle.
+enum DsparkStatus dspark_draft_end(struct DsparkDraft *draft, uint64_t seq);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -18,6 +18,9 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
+mod draft;
+pub use draft::*;
+
 use dspark::{
     ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, Error, FinishReason,
     LoadOptions, Qwen3, Request, SamplingParams, VerifyPolicy,
@@ -29,7 +32,7 @@ use dspark::{
 pub enum DsparkStatus {
     /// Success.
     Ok = 0,
-    /// A null pointer, a bad UTF-8 string or an out-of-range parameter.
+    /// A null pointer, a bad UTF-8 string, an out-of-range parameter or an unknown sequence id.
     InvalidArgument = 1,
     /// A file could not be read.
     Io = 2,
@@ -70,7 +73,9 @@ fn status_of(error: &Error) -> DsparkStatus {
         Error::TokenOutOfRange { .. } => DsparkStatus::TokenOutOfRange,
         Error::KvCacheFull { .. } => DsparkStatus::KvCacheFull,
         Error::Unsupported(_) => DsparkStatus::Unsupported,
-        Error::InvalidInput(_) | Error::InvalidSampling(_) => DsparkStatus::InvalidArgument,
+        Error::InvalidInput(_) | Error::InvalidSampling(_) | Error::UnknownSequence(_) => {
+            DsparkStatus::InvalidArgument
+        }
         _ => DsparkStatus::Internal,
     }
 }
@@ -125,6 +130,27 @@ unsafe fn slice_arg<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a 
         // SAFETY: the caller promises `len` readable elements.
         (false, _) => Ok(unsafe { std::slice::from_raw_parts(ptr, len) }),
     }
+}
+
+/// The Rust sampling settings of a C parameter block (null: the defaults).
+///
+/// # Safety
+/// `params` is null or valid, and its stop-token array readable for its length.
+unsafe fn sampling_arg(
+    params: *const DsparkSamplingParams,
+) -> Result<SamplingParams, (DsparkStatus, String)> {
+    // SAFETY: params is null or valid.
+    let p = if params.is_null() { dspark_sampling_default_params() } else { unsafe { *params } };
+    // SAFETY: the stop-token array is readable for its length.
+    let stop = unsafe { slice_arg(p.stop_token_ids, p.num_stop_token_ids, "stop_token_ids") }?.to_vec();
+    Ok(SamplingParams {
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: p.top_p,
+        seed: p.seed,
+        stop_token_ids: stop,
+        max_new_tokens: p.max_new_tokens,
+    })
 }
 
 /// Settings of [`dspark_engine_create`]. Start from [`dspark_engine_default_params`].
@@ -315,18 +341,8 @@ pub unsafe extern "C" fn dspark_engine_generate(
         }
         // SAFETY: per this function's contract.
         let prompt = unsafe { slice_arg(prompt, prompt_len, "prompt") }?.to_vec();
-        // SAFETY: params is null or valid.
-        let p = if params.is_null() { dspark_sampling_default_params() } else { unsafe { *params } };
-        // SAFETY: the stop-token array is readable for its length.
-        let stop = unsafe { slice_arg(p.stop_token_ids, p.num_stop_token_ids, "stop_token_ids") }?.to_vec();
-        let params = SamplingParams {
-            temperature: p.temperature,
-            top_k: p.top_k as usize,
-            top_p: p.top_p,
-            seed: p.seed,
-            stop_token_ids: stop,
-            max_new_tokens: p.max_new_tokens,
-        };
+        // SAFETY: params is null or valid, its stop-token array readable.
+        let params = unsafe { sampling_arg(params) }?;
         let mut engine =
             engine.inner.lock().map_err(|_| (DsparkStatus::Internal, "engine lock poisoned".into()))?;
         let g = engine.generate(&[Request { prompt, params }]).map_err(fail)?.remove(0);

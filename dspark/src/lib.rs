@@ -37,6 +37,7 @@ pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvLayout, PagedKvCache, SeqId};
 pub use model::{
     DSparkConfig, DSparkDraft, DraftCacheConfig, ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk,
+    TargetBinding,
 };
 pub use sampling::SamplingParams;
 pub use speculator::{Proposal, ProposeLane, Speculator};

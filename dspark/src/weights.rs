@@ -220,3 +220,35 @@ fn convert(bytes: &[u8], src: Dtype, dst: ComputeDtype) -> Option<Vec<u8>> {
         ComputeDtype::F16 => values.flat_map(|v| f16::from_f32(v).to_le_bytes()).collect(),
     })
 }
+
+/// A `[rows, cols]` tensor on `device` in `dst`, from a caller's host buffer of little-endian
+/// `src` values (e.g. a serving engine's own copy of a weight).
+///
+/// # Errors
+/// [`Error::InvalidInput`] naming `what` when the buffer does not hold `rows · cols` values.
+pub fn host_matrix(
+    what: &str,
+    bytes: &[u8],
+    src: ComputeDtype,
+    [rows, cols]: [usize; 2],
+    dst: ComputeDtype,
+    device: &Device,
+) -> Result<Tensor<2>> {
+    let want = rows.checked_mul(cols).and_then(|n| n.checked_mul(src.size()));
+    if want != Some(bytes.len()) {
+        return Err(Error::InvalidInput(format!(
+            "{what}: {} bytes do not hold a [{rows}, {cols}] {src} matrix",
+            bytes.len()
+        )));
+    }
+    let st = match src {
+        ComputeDtype::F32 => Dtype::F32,
+        ComputeDtype::Bf16 => Dtype::BF16,
+        ComputeDtype::F16 => Dtype::F16,
+    };
+    let values =
+        convert(bytes, st, dst).ok_or_else(|| Error::InvalidInput(format!("{what}: dtype {src}")))?;
+    let data = TensorData::from_bytes_vec(values, vec![rows, cols], dst.dtype());
+    let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dst.dtype());
+    Ok(Tensor::from_data(data, options))
+}

@@ -34,6 +34,79 @@ impl Default for DraftCacheConfig {
     }
 }
 
+/// What a draft borrows from its target: the shape facts it is checked against and the
+/// embedding and LM-head weights it runs with (a DSpark draft has neither of its own).
+///
+/// [`TargetBinding::of`] takes them from a dspark [`Qwen3`]; [`TargetBinding::from_host`] from
+/// host buffers, for a serving engine that runs its own target and uses dspark only to draft.
+#[derive(Debug, Clone)]
+pub struct TargetBinding {
+    /// The target's decoder layers (feature layer ids are checked against it).
+    pub num_hidden_layers: usize,
+    /// The target's hidden size.
+    pub hidden_size: usize,
+    /// The target's vocabulary size.
+    pub vocab_size: usize,
+    /// `[vocab, hidden]`, on the draft's device, in its compute dtype.
+    pub embed_tokens: Tensor<2>,
+    /// `[vocab, hidden]`, on the draft's device, in its compute dtype.
+    pub lm_head: Tensor<2>,
+    /// Device of both tensors.
+    pub device: Device,
+    /// Compute dtype of both tensors (and of the draft).
+    pub dtype: ComputeDtype,
+}
+
+impl TargetBinding {
+    /// Borrow `target`'s embedding and LM head (cheap: tensors are reference counted).
+    pub fn of(target: &Qwen3) -> Self {
+        let c = target.config();
+        Self {
+            num_hidden_layers: c.num_hidden_layers,
+            hidden_size: c.hidden_size,
+            vocab_size: c.vocab_size,
+            embed_tokens: target.embed_tokens().clone(),
+            lm_head: target.lm_head().clone(),
+            device: target.device().clone(),
+            dtype: target.dtype(),
+        }
+    }
+
+    /// Copy a target's embedding and LM head from host buffers of little-endian `src` values,
+    /// each `[vocab_size, hidden_size]` row-major; `lm_head` `None` means tied (the embedding).
+    /// They are placed on `options.device` in `options.dtype`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when a buffer's length does not match the shape;
+    /// [`Error::Unsupported`] when the device is not available.
+    pub fn from_host(
+        embed_tokens: &[u8],
+        lm_head: Option<&[u8]>,
+        src: ComputeDtype,
+        [vocab_size, hidden_size]: [usize; 2],
+        num_hidden_layers: usize,
+        options: LoadOptions<'_>,
+    ) -> Result<Self> {
+        let device = options.device.device()?;
+        let shape = [vocab_size, hidden_size];
+        let embed =
+            crate::weights::host_matrix("embed_tokens", embed_tokens, src, shape, options.dtype, &device)?;
+        let head = match lm_head {
+            Some(bytes) => crate::weights::host_matrix("lm_head", bytes, src, shape, options.dtype, &device)?,
+            None => embed.clone(),
+        };
+        Ok(Self {
+            num_hidden_layers,
+            hidden_size,
+            vocab_size,
+            embed_tokens: embed,
+            lm_head: head,
+            device,
+            dtype: options.dtype,
+        })
+    }
+}
+
 /// A loaded DSpark draft bound to its target's embedding and LM head.
 #[derive(Debug)]
 pub struct DSparkDraft {
@@ -67,12 +140,26 @@ impl DSparkDraft {
         options: LoadOptions<'_>,
         cache: &DraftCacheConfig,
     ) -> Result<Self> {
+        Self::load_bound(dir, TargetBinding::of(target), options.progress, cache)
+    }
+
+    /// Load a draft folder for a target described by `target` (see [`TargetBinding`]); the
+    /// draft runs on the binding's device in its dtype. `progress` is as in [`LoadOptions`].
+    ///
+    /// # Errors
+    /// As [`DSparkDraft::load`].
+    pub fn load_bound(
+        dir: &Path,
+        target: TargetBinding,
+        progress: Option<crate::weights::ProgressFn<'_>>,
+        cache: &DraftCacheConfig,
+    ) -> Result<Self> {
         let config = DSparkConfig::from_dir(dir)?;
         let path = dir.join("config.json");
         let ckpt = Checkpoint::open(dir)?;
-        let layer_ids = check_fit(&config, target, &ckpt, &path)?;
-        let device = target.device().clone();
-        let dtype = target.dtype();
+        let layer_ids = check_fit(&config, &target, &ckpt, &path)?;
+        let device = target.device.clone();
+        let dtype = target.dtype;
         let b = &config.base;
         let (h, v, r) = (b.hidden_size, b.vocab_size, config.markov_rank);
         let shape = LayerShape {
@@ -84,7 +171,7 @@ impl DSparkDraft {
             eps: b.rms_norm_eps,
         };
         tracing::info!(dir = %dir.display(), block_size = config.block_size, ?layer_ids, "loading DSpark draft");
-        let report = ckpt.reporter(options.progress);
+        let report = ckpt.reporter(progress);
         let fc = ckpt.load("fc.weight", [h, layer_ids.len() * h], dtype, &device)?;
         let hidden_norm = ckpt.load("hidden_norm.weight", [h], dtype, &device)?;
         let norm = ckpt.load("norm.weight", [h], dtype, &device)?;
@@ -141,8 +228,8 @@ impl DSparkDraft {
         Ok(Self {
             layer_ids,
             dtype,
-            embed_tokens: target.embed_tokens().clone(),
-            lm_head: target.lm_head().clone(),
+            embed_tokens: target.embed_tokens,
+            lm_head: target.lm_head,
             device,
             fc,
             hidden_norm,
@@ -169,6 +256,16 @@ impl DSparkDraft {
     /// The feature layers resolved against the target.
     pub fn layer_ids(&self) -> &[usize] {
         &self.layer_ids
+    }
+
+    /// The device the draft runs on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The draft's compute dtype.
+    pub fn dtype(&self) -> ComputeDtype {
+        self.dtype
     }
 
     /// The draft's context cache.
@@ -281,9 +378,8 @@ pub struct MarkovPass {
 }
 
 /// Check the draft against its target; resolve the feature layers.
-fn check_fit(config: &DSparkConfig, target: &Qwen3, ckpt: &Checkpoint, path: &Path) -> Result<Vec<usize>> {
+fn check_fit(config: &DSparkConfig, t: &TargetBinding, ckpt: &Checkpoint, path: &Path) -> Result<Vec<usize>> {
     let bad = |message: String| Error::Config { path: path.to_path_buf(), message };
-    let t = target.config();
     let depth = t.num_hidden_layers;
     if config.base.hidden_size != t.hidden_size {
         return Err(bad(format!(

@@ -8,7 +8,7 @@ mod qwen3;
 mod rope;
 
 pub use draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
-pub use dspark_draft::{DSparkDraft, DraftCacheConfig, MarkovPass};
+pub use dspark_draft::{DSparkDraft, DraftCacheConfig, MarkovPass, TargetBinding};
 pub use markov::{ConfidenceHead, MarkovHead};
 
 pub use layer::DecoderLayer;
