@@ -1,4 +1,31 @@
-//! Python bindings for dspark (`import dspark`).
+//! Python bindings for dspark: the native module `dspark._dspark`, re-exported by the Python
+//! package `dspark` (see `python/dspark/__init__.py` and the stubs beside it).
 //!
-//! Not built yet: the pyo3 module, its wheel and its pytest suite are tracked by the bindings
-//! issue. This crate exists so the workspace has its final shape; it exports nothing.
+//! A thin layer over the Rust API: every call converts its arguments, releases the GIL, calls
+//! the Rust engine behind a lock with panics caught, and converts the result or raises the
+//! exception class of the Rust error's variant.
+
+mod engine;
+mod errors;
+mod params;
+mod prompts;
+mod results;
+mod stream;
+
+use pyo3::prelude::*;
+
+/// Lossless speculative decoding for Qwen3 models with DSpark block drafts.
+#[pymodule]
+fn _dspark(module: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::register(module)?;
+    module.add_class::<engine::Engine>()?;
+    module.add_class::<params::SamplingParams>()?;
+    module.add_class::<results::Generation>()?;
+    module.add_class::<results::GenerationStats>()?;
+    module.add_class::<results::RoundRecord>()?;
+    module.add_class::<results::BatchStats>()?;
+    module.add_class::<results::StreamChunk>()?;
+    module.add_class::<stream::TokenStream>()?;
+    module.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}
