@@ -20,6 +20,13 @@ def main() -> None:
     ap.add_argument("--report", type=Path, required=True)
     ap.add_argument("--corpus", type=Path, default=root / "out" / "pair" / "corpus")
     ap.add_argument("--out", type=Path, default=root / "models" / "README.md")
+    ap.add_argument(
+        "--repro",
+        type=Path,
+        action="append",
+        default=[],
+        help="report.json of a rerun of the same command, for the reproducibility table",
+    )
     args = ap.parse_args()
     r = json.loads(args.report.read_text())
     meta = json.loads((args.corpus / "meta.json").read_text()) if (args.corpus / "meta.json").exists() else {}
@@ -92,6 +99,26 @@ def main() -> None:
                      + ", ".join(f"{a:.2f}" for a in e["accept_rate_at"]) + " |")
     lines += [
         "",
+    ]
+    if args.repro:
+        runs = [("shipped", r)] + [(f"rerun {i + 1}", json.loads(p.read_text())) for i, p in enumerate(args.repro)]
+        lines += [
+            "## Reproducibility",
+            "",
+            "The same command (`bash scripts/pair/gpu_run.sh all`) run again on the same corpus. Training is "
+            "bounded by time, not steps, so step counts and results vary a little between runs.",
+            "",
+            "| run | target steps | held-out loss | draft steps | τ at T=0 | τ at T=1 |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for name, x in runs:
+            e = x["draft"]["eval"]
+            lines.append(
+                f"| {name} | {x['target']['steps']} | {x['target']['heldout_loss']:.4f} | {x['draft']['steps']} "
+                f"| {e['T0']['tau']:.3f} | {e['T1']['tau']:.3f} |"
+            )
+        lines.append("")
+    lines += [
         "## Files",
         "",
         f"Both folders together: {total_mb:.1f} MB.",
