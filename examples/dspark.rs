@@ -1,7 +1,7 @@
 //! `dspark`: the command-line front end.
 //!
 //! ```text
-//! dspark demo                                  # greedy generation on the embedded tiny model
+//! dspark demo                                  # speculative vs target-only, embedded trained pair
 //! dspark generate --target DIR --prompt "..."  # text in, text out (needs tokenizer.json)
 //! dspark generate --target DIR --prompt-ids 1,2,3 --json
 //! dspark score --target DIR --token-ids 1,2,3 --json
@@ -34,12 +34,22 @@ enum Command {
     Generate(GenerateArgs),
     /// Print the log-probability of every token of a sequence given the tokens before it.
     Score(ScoreArgs),
-    /// Run greedy generation on the tiny model embedded in this binary (no download, CPU).
-    Demo {
-        /// Print one JSON object instead of text.
-        #[arg(long)]
-        json: bool,
-    },
+    /// Speculative vs target-only greedy generation with the small trained pair embedded in this
+    /// binary (no download, CPU).
+    Demo(DemoArgs),
+}
+
+#[derive(Args)]
+struct DemoArgs {
+    /// Prompt text (default: the start of a Python script).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_new_tokens: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -132,7 +142,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Generate(args) => generate(args),
         Command::Score(args) => score(args),
-        Command::Demo { json } => demo(json),
+        Command::Demo(args) => demo(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -337,29 +347,30 @@ fn score(args: ScoreArgs) -> dspark::Result<()> {
     Ok(())
 }
 
-/// The tiny random Qwen3 of the golden set and its DSpark draft, embedded so the demo needs no
-/// files. Their weights are random (the draft's Markov head was nudged towards the target's
-/// greedy path), so this shows the mechanics, not a real acceptance rate.
-const DEMO_CONFIG: &[u8] = include_bytes!("../dspark/tests/fixtures/golden/tiny-qwen3/config.json");
-const DEMO_WEIGHTS: &[u8] = include_bytes!("../dspark/tests/fixtures/golden/tiny-qwen3/model.safetensors");
-const DEMO_DRAFT_CONFIG: &[u8] = include_bytes!("../dspark/tests/fixtures/golden/tiny-dspark/config.json");
-const DEMO_DRAFT_WEIGHTS: &[u8] =
-    include_bytes!("../dspark/tests/fixtures/golden/tiny-dspark/model.safetensors");
-const DEMO_PROMPT: [u32; 5] = [37, 35, 253, 491, 331];
+/// The small trained pair of `models/` (a code model and its DSpark draft, see
+/// `models/README.md`), embedded so the demo needs no files and no download.
+const DEMO_FILES: [(&str, &str, &[u8]); 7] = [
+    ("target", "config.json", include_bytes!("../models/tiny-code-qwen3/config.json")),
+    ("target", "model.safetensors", include_bytes!("../models/tiny-code-qwen3/model.safetensors")),
+    ("target", "tokenizer.json", include_bytes!("../models/tiny-code-qwen3/tokenizer.json")),
+    ("target", "tokenizer_config.json", include_bytes!("../models/tiny-code-qwen3/tokenizer_config.json")),
+    ("target", "generation_config.json", include_bytes!("../models/tiny-code-qwen3/generation_config.json")),
+    ("draft", "config.json", include_bytes!("../models/tiny-code-dspark/config.json")),
+    ("draft", "model.safetensors", include_bytes!("../models/tiny-code-dspark/model.safetensors")),
+];
+const DEMO_PROMPT: &str =
+    "import os\nimport sys\n\n\ndef main(argv):\n    \"\"\"Parse the command line and run.\"\"\"\n";
 
-fn demo(json_out: bool) -> dspark::Result<()> {
+fn demo(args: DemoArgs) -> dspark::Result<()> {
     let root = std::env::temp_dir().join(format!("dspark-demo-{}", std::process::id()));
-    let write = |dir: &str, name: &str, bytes: &[u8]| {
-        let path = root.join(dir).join(name);
-        std::fs::create_dir_all(root.join(dir))
-            .and_then(|()| std::fs::write(&path, bytes))
-            .map_err(|e| dspark::Error::Io { path, source: e })
-    };
-    let engines = (|| {
-        write("target", "config.json", DEMO_CONFIG)?;
-        write("target", "model.safetensors", DEMO_WEIGHTS)?;
-        write("draft", "config.json", DEMO_DRAFT_CONFIG)?;
-        write("draft", "model.safetensors", DEMO_DRAFT_WEIGHTS)?;
+    let loaded = (|| {
+        for (dir, name, bytes) in DEMO_FILES {
+            let path = root.join(dir).join(name);
+            std::fs::create_dir_all(root.join(dir))
+                .and_then(|()| std::fs::write(&path, bytes))
+                .map_err(|e| dspark::Error::Io { path, source: e })?;
+        }
+        let tokenizer = Tokenizer::from_dir(&root.join("target"))?;
         let plain = Engine::load(&root.join("target"), LoadOptions::default(), &EngineConfig::default())?;
         let target = Qwen3::load(&root.join("target"), LoadOptions::default())?;
         let draft = DSparkDraft::load(
@@ -369,15 +380,19 @@ fn demo(json_out: bool) -> dspark::Result<()> {
             &DraftCacheConfig::default(),
         )?;
         let spec = Engine::with_draft(target, Box::new(draft), &EngineConfig::default())?;
-        Ok::<_, dspark::Error>((plain, spec))
+        Ok::<_, dspark::Error>((tokenizer, plain, spec))
     })();
     let _ = std::fs::remove_dir_all(&root);
-    let (mut plain, mut spec) = engines?;
-    let request = Request { prompt: DEMO_PROMPT.to_vec(), params: SamplingParams::greedy(48) };
+    let (tokenizer, mut plain, mut spec) = loaded?;
+    let prompt_text = args.prompt.as_deref().unwrap_or(DEMO_PROMPT);
+    let prompt = tokenizer.encode(prompt_text, false)?;
+    let mut params = SamplingParams::greedy(args.max_new_tokens);
+    params.stop_token_ids = tokenizer.eos_token_ids().to_vec();
+    let request = Request { prompt: prompt.clone(), params };
     // Warm up once, then time each mode over the same request.
     plain.generate(std::slice::from_ref(&request))?;
     spec.generate(std::slice::from_ref(&request))?;
-    let reps = 5;
+    let reps = 3;
     let time = |engine: &mut Engine| -> dspark::Result<(Vec<dspark::Generation>, f64)> {
         let started = Instant::now();
         let mut out = Vec::new();
@@ -391,21 +406,23 @@ fn demo(json_out: bool) -> dspark::Result<()> {
     let (fast, spec_tps) = time(&mut spec)?;
     let (b, g) = (&base[0], &fast[0]);
     let identical = b.tokens == g.tokens;
-    if json_out {
+    let text = tokenizer.decode(&g.tokens, true)?;
+    if args.json {
         println!(
             "{}",
-            json!({"prompt": DEMO_PROMPT, "tokens": g.tokens, "identical_to_target_only": identical,
+            json!({"prompt": prompt_text, "prompt_ids": prompt, "tokens": g.tokens, "text": text,
+                "identical_to_target_only": identical,
                 "stats": {"generated_tokens": g.stats.generated_tokens, "rounds": g.stats.rounds,
-                "tau": g.stats.tau, "speculative_tokens_per_second": spec_tps,
-                "target_only_tokens_per_second": base_tps}})
+                "drafted": g.stats.drafted, "accepted": g.stats.accepted, "tau": g.stats.tau,
+                "speculative_tokens_per_second": spec_tps, "target_only_tokens_per_second": base_tps,
+                "speedup": spec_tps / base_tps}})
         );
     } else {
         println!(
-            "dspark demo: tiny random Qwen3 (6 layers, hidden 64, vocab 512) + DSpark draft (2 layers, γ=4)"
+            "dspark demo: tiny-code-qwen3 (8 layers, hidden 256, 7.3M parameters) + tiny-code-dspark \
+             (2 layers, block 8), trained on code; greedy, CPU, f32, embedded weights"
         );
-        println!("greedy, CPU, f32, embedded weights");
-        println!("prompt ids     : {DEMO_PROMPT:?}");
-        println!("speculative    : {:?}", g.tokens);
+        println!("----- prompt -----\n{prompt_text}----- speculative continuation -----\n{text}\n-----");
         println!("target-only    : {}", if identical { "identical, token for token" } else { "DIFFERENT" });
         println!(
             "tau            : {:.2} tokens per verify round ({} rounds, {} of {} drafts accepted)",

@@ -7,10 +7,9 @@ mod common;
 
 use burn::tensor::Tensor;
 use common::*;
-use dspark::sampling::target_probs;
 use dspark::{
-    DSparkDraft, DraftCacheConfig, Engine, EngineConfig, KvCache, LoadOptions, LogitRows, PagedKvCache,
-    Proposal, ProposeLane, Qwen3, Request, SamplingParams, SeqChunk, SeqId, Speculator, VerifyPolicy,
+    DSparkDraft, DraftCacheConfig, Engine, EngineConfig, KvCache, LoadOptions, Proposal, ProposeLane, Qwen3,
+    Request, SamplingParams, SeqId, Speculator, VerifyPolicy,
 };
 
 fn target() -> Qwen3 {
@@ -166,69 +165,6 @@ fn sampled_speculative_is_reproducible_and_independent_of_the_batch() {
     }
 }
 
-/// Exact marginal distribution of the second generated token under `params`:
-/// Σ_{t1} p(t1 | prompt) · p(t2 | prompt, t1), from the target alone.
-fn exact_second_token(model: &Qwen3, prompt: &[u32], params: &SamplingParams) -> Vec<f64> {
-    let vocab = model.vocab_size();
-    let mut cache = PagedKvCache::new(model.kv_layout(16), 64 << 20, model.device()).unwrap();
-    let seq = cache.allocate();
-    let out =
-        model.forward(&[SeqChunk { seq, tokens: prompt, logits: LogitRows::Last }], &[], &mut cache).unwrap();
-    let p1 = target_probs(&out.logits.unwrap().into_data().try_to_vec::<f32>().unwrap(), params);
-    let firsts: Vec<u32> = (0..vocab as u32).filter(|&t| p1[t as usize] > 0.0).collect();
-    let mut marginal = vec![0.0; vocab];
-    for batch in firsts.chunks(64) {
-        let mut cache = PagedKvCache::new(model.kv_layout(16), 64 << 20, model.device()).unwrap();
-        let seqs: Vec<Vec<u32>> =
-            batch.iter().map(|&t| prompt.iter().copied().chain([t]).collect()).collect();
-        let ids: Vec<SeqId> = batch.iter().map(|_| cache.allocate()).collect();
-        let chunks: Vec<SeqChunk<'_>> = seqs
-            .iter()
-            .zip(&ids)
-            .map(|(s, &seq)| SeqChunk { seq, tokens: s, logits: LogitRows::Last })
-            .collect();
-        let logits = model.forward(&chunks, &[], &mut cache).unwrap().logits.unwrap();
-        let logits = logits.into_data().try_to_vec::<f32>().unwrap();
-        for (j, &t1) in batch.iter().enumerate() {
-            let p2 = target_probs(&logits[j * vocab..(j + 1) * vocab], params);
-            for (m, p) in marginal.iter_mut().zip(p2) {
-                *m += p1[t1 as usize] * p;
-            }
-        }
-    }
-    marginal
-}
-
-/// Pearson χ² of `counts` against `expected` probabilities, bins with expected count < 5
-/// pooled. Returns (statistic, degrees of freedom).
-fn chi_square(counts: &[usize], expected: &[f64]) -> (f64, usize) {
-    let n: usize = counts.iter().sum();
-    let (mut stat, mut bins) = (0.0, 0usize);
-    let (mut pooled_o, mut pooled_e) = (0.0, 0.0);
-    for (&o, &p) in counts.iter().zip(expected) {
-        let e = p * n as f64;
-        if e >= 5.0 {
-            stat += (o as f64 - e).powi(2) / e;
-            bins += 1;
-        } else {
-            pooled_o += o as f64;
-            pooled_e += e;
-        }
-    }
-    if pooled_e > 0.0 {
-        stat += (pooled_o - pooled_e).powi(2) / pooled_e.max(1e-9);
-        bins += 1;
-    }
-    (stat, bins.saturating_sub(1))
-}
-
-/// Upper quantile of χ²(df) at false-alarm rate 1e-4 (Wilson–Hilferty, z = 3.719).
-fn chi_square_limit(df: usize) -> f64 {
-    let d = df as f64;
-    let z = 3.719;
-    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
-}
-
 /// Wraps the real draft and reports a proposal distribution that makes every draft look
 /// certain to be accepted (q(d) tiny): the chain rule then accepts without the ratio.
 struct AlwaysAccept(DSparkDraft);
@@ -301,10 +237,10 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
     let model = target();
     let mut e = spec_engine(VerifyPolicy::Full);
     for params in &settings {
-        let exact = exact_second_token(&model, &prompt, params);
+        let exact = stats::exact_second_token(&model, &prompt, params, 0.0);
         let counts = second_token_counts(&mut e, &prompt, params, n);
-        let (stat, df) = chi_square(&counts, &exact);
-        let limit = chi_square_limit(df);
+        let (stat, df) = stats::chi_square(&counts, &exact);
+        let limit = stats::chi_square_limit(df);
         eprintln!("spec {params:?}: chi2 {stat:.1} on {df} df (limit {limit:.1})");
         assert!(
             stat < limit,
@@ -317,9 +253,9 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
     let d = draft(&t);
     let mut broken = Engine::with_draft(t, Box::new(AlwaysAccept(d)), &EngineConfig::default()).unwrap();
     let params = &settings[0];
-    let exact = exact_second_token(&model, &prompt, params);
+    let exact = stats::exact_second_token(&model, &prompt, params, 0.0);
     let counts = second_token_counts(&mut broken, &prompt, params, n);
-    let (stat, df) = chi_square(&counts, &exact);
-    eprintln!("broken rule: chi2 {stat:.1} on {df} df (limit {:.1})", chi_square_limit(df));
-    assert!(stat > chi_square_limit(df), "the test failed to catch a broken acceptance rule");
+    let (stat, df) = stats::chi_square(&counts, &exact);
+    eprintln!("broken rule: chi2 {stat:.1} on {df} df (limit {:.1})", stats::chi_square_limit(df));
+    assert!(stat > stats::chi_square_limit(df), "the test failed to catch a broken acceptance rule");
 }

@@ -1,0 +1,79 @@
+//! Exact target marginals and χ² checks for the sampled-distribution tests.
+
+use dspark::sampling::target_probs;
+use dspark::{KvCache, LogitRows, PagedKvCache, Qwen3, SamplingParams, SeqChunk, SeqId};
+
+/// Exact marginal distribution of the second generated token under `params`:
+/// Σ_{t1} p(t1 | prompt) · p(t2 | prompt, t1), from the target alone. First tokens are taken
+/// in decreasing probability until at most `tail` of the mass is left out (0: every token with
+/// nonzero probability), so the result may sum to `1 − tail`.
+pub fn exact_second_token(model: &Qwen3, prompt: &[u32], params: &SamplingParams, tail: f64) -> Vec<f64> {
+    let vocab = model.vocab_size();
+    let mut cache = PagedKvCache::new(model.kv_layout(16), 64 << 20, model.device()).unwrap();
+    let seq = cache.allocate();
+    let out =
+        model.forward(&[SeqChunk { seq, tokens: prompt, logits: LogitRows::Last }], &[], &mut cache).unwrap();
+    let p1 = target_probs(&out.logits.unwrap().into_data().try_to_vec::<f32>().unwrap(), params);
+    let mut order: Vec<u32> = (0..vocab as u32).filter(|&t| p1[t as usize] > 0.0).collect();
+    order.sort_by(|&a, &b| p1[b as usize].total_cmp(&p1[a as usize]));
+    let mut firsts = Vec::new();
+    let mut left = 1.0;
+    for t in order {
+        if left <= tail {
+            break;
+        }
+        left -= p1[t as usize];
+        firsts.push(t);
+    }
+    let mut marginal = vec![0.0; vocab];
+    for batch in firsts.chunks(64) {
+        let mut cache = PagedKvCache::new(model.kv_layout(16), 64 << 20, model.device()).unwrap();
+        let seqs: Vec<Vec<u32>> =
+            batch.iter().map(|&t| prompt.iter().copied().chain([t]).collect()).collect();
+        let ids: Vec<SeqId> = batch.iter().map(|_| cache.allocate()).collect();
+        let chunks: Vec<SeqChunk<'_>> = seqs
+            .iter()
+            .zip(&ids)
+            .map(|(s, &seq)| SeqChunk { seq, tokens: s, logits: LogitRows::Last })
+            .collect();
+        let logits = model.forward(&chunks, &[], &mut cache).unwrap().logits.unwrap();
+        let logits = logits.into_data().try_to_vec::<f32>().unwrap();
+        for (j, &t1) in batch.iter().enumerate() {
+            let p2 = target_probs(&logits[j * vocab..(j + 1) * vocab], params);
+            for (m, p) in marginal.iter_mut().zip(p2) {
+                *m += p1[t1 as usize] * p;
+            }
+        }
+    }
+    marginal
+}
+
+/// Pearson χ² of `counts` against `expected` probabilities, bins with expected count < 5
+/// pooled. Returns (statistic, degrees of freedom).
+pub fn chi_square(counts: &[usize], expected: &[f64]) -> (f64, usize) {
+    let n: usize = counts.iter().sum();
+    let (mut stat, mut bins) = (0.0, 0usize);
+    let (mut pooled_o, mut pooled_e) = (0.0, 0.0);
+    for (&o, &p) in counts.iter().zip(expected) {
+        let e = p * n as f64;
+        if e >= 5.0 {
+            stat += (o as f64 - e).powi(2) / e;
+            bins += 1;
+        } else {
+            pooled_o += o as f64;
+            pooled_e += e;
+        }
+    }
+    if pooled_e > 0.0 {
+        stat += (pooled_o - pooled_e).powi(2) / pooled_e.max(1e-9);
+        bins += 1;
+    }
+    (stat, bins.saturating_sub(1))
+}
+
+/// Upper quantile of χ²(df) at false-alarm rate 1e-4 (Wilson–Hilferty, z = 3.719).
+pub fn chi_square_limit(df: usize) -> f64 {
+    let d = df as f64;
+    let z = 3.719;
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
