@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Expects the CUDA build of the CLI, xz-compressed, at out/carry2/dspark.xz (see gpu_run.sh for the build).
 # bf16 speculative greedy on CUDA with the golden tiny pair, timed per phase.
 G=dspark/tests/fixtures/golden
 xz -dc out/carry2/dspark.xz > /tmp/dspark && chmod +x /tmp/dspark
