@@ -432,6 +432,15 @@ fn demo(args: DemoArgs) -> dspark::Result<()> {
             "tokens/s       : speculative {spec_tps:.0} vs target-only {base_tps:.0} ({:.2}x)",
             spec_tps / base_tps
         );
+        let s = spec.last_stats();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / g.stats.rounds.max(1) as f64;
+        println!(
+            "per round      : draft {:.2} ms, verify {:.2} ms, accept+commit {:.2} ms; target-only step {:.2} ms",
+            ms(s.draft_time),
+            ms(s.verify_time),
+            ms(s.commit_time),
+            plain.last_stats().decode_time.as_secs_f64() * 1e3 / b.stats.rounds.max(1) as f64
+        );
     }
     if identical {
         Ok(())

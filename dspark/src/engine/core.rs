@@ -135,6 +135,14 @@ pub struct BatchStats {
     pub prefill_time: Duration,
     /// Time spent after prefill.
     pub decode_time: Duration,
+    /// Of the decode time, speculative rounds only: time in the draft's proposals.
+    pub draft_time: Duration,
+    /// Of the decode time, speculative rounds only: time in the target's verify forwards,
+    /// logits read back included.
+    pub verify_time: Duration,
+    /// Of the decode time, speculative rounds only: acceptance, commits and the draft's context
+    /// update (the rest of a round).
+    pub commit_time: Duration,
 }
 
 impl BatchStats {

@@ -82,8 +82,11 @@ impl Engine {
                     params: &requests[l.request].params,
                 })
                 .collect();
+            let round_started = Instant::now();
             let proposals = draft.propose(&lanes)?;
             stats.draft_passes += 1;
+            let drafted_at = Instant::now();
+            stats.draft_time += drafted_at - round_started;
             let counts: Vec<usize> = proposals.iter().map(|p| verify_count(self.verify, p, gamma)).collect();
             let windows: Vec<Vec<u32>> = live
                 .iter()
@@ -102,6 +105,8 @@ impl Engine {
             let logits = read_f32(output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?)?;
             let features =
                 output.features.clone().ok_or_else(|| Error::Backend("no features captured".into()))?;
+            let verified_at = Instant::now();
+            stats.verify_time += verified_at - drafted_at;
             let vocab = self.target.vocab_size();
             let mut still = Vec::with_capacity(live.len());
             for (i, mut l) in live.into_iter().enumerate() {
@@ -150,6 +155,7 @@ impl Engine {
                 still.push(l);
             }
             live = still;
+            stats.commit_time += verified_at.elapsed();
         }
         stats.decode_time = decode_started.elapsed();
         self.last_stats = stats;
