@@ -7,7 +7,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
-use super::layer::{BlockLane, DecoderLayer, LayerShape, linear};
+use super::layer::{BlockLane, DecoderLayer, LayerShape, Proj, linear};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::qwen3::{LoadOptions, Qwen3};
 use super::rope::Rope;
@@ -116,7 +116,7 @@ pub struct DSparkDraft {
     device: Device,
     embed_tokens: Tensor<2>,
     lm_head: Tensor<2>,
-    fc: Tensor<2>,
+    fc: Proj,
     hidden_norm: Tensor<1>,
     layers: Vec<DecoderLayer>,
     norm: Tensor<1>,
@@ -172,7 +172,7 @@ impl DSparkDraft {
         };
         tracing::info!(dir = %dir.display(), block_size = config.block_size, ?layer_ids, "loading DSpark draft");
         let report = ckpt.reporter(progress);
-        let fc = ckpt.load("fc.weight", [h, layer_ids.len() * h], dtype, &device)?;
+        let fc = Proj::new(ckpt.load("fc.weight", [h, layer_ids.len() * h], dtype, &device)?);
         let hidden_norm = ckpt.load("hidden_norm.weight", [h], dtype, &device)?;
         let norm = ckpt.load("norm.weight", [h], dtype, &device)?;
         let mut layers = Vec::with_capacity(b.num_hidden_layers);
@@ -278,7 +278,7 @@ impl DSparkDraft {
     /// # Shapes
     /// `features`: `[rows, n·hidden]` → `[rows, hidden]`.
     pub fn context_projection(&self, features: Tensor<2>) -> Tensor<2> {
-        rms_norm(linear(features, &self.fc), &self.hidden_norm, self.config.base.rms_norm_eps)
+        rms_norm(self.fc.apply(features), &self.hidden_norm, self.config.base.rms_norm_eps)
     }
 
     /// The block forward for several lanes: `[anchor, MASK × (γ−1)]` at positions `L..L+γ−1`,

@@ -30,16 +30,16 @@ pub struct LayerShape {
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     input_layernorm: Tensor<1>,
-    q_proj: Tensor<2>,
-    k_proj: Tensor<2>,
-    v_proj: Tensor<2>,
-    o_proj: Tensor<2>,
+    q_proj: Proj,
+    k_proj: Proj,
+    v_proj: Proj,
+    o_proj: Proj,
     q_norm: Tensor<1>,
     k_norm: Tensor<1>,
     post_attention_layernorm: Tensor<1>,
-    gate_proj: Tensor<2>,
-    up_proj: Tensor<2>,
-    down_proj: Tensor<2>,
+    gate_proj: Proj,
+    up_proj: Proj,
+    down_proj: Proj,
     shape: LayerShape,
 }
 
@@ -58,6 +58,38 @@ pub(crate) struct SeqRows {
 /// `x · Wᵀ` for a weight stored `[out, in]`.
 pub(crate) fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
     x.matmul(weight.clone().transpose())
+}
+
+/// A projection weight, loaded in the checkpoint's `[out, in]` layout. On the CPU backend it is
+/// kept transposed and contiguous (`[in, out]`): Flex's matmul runs the few-row products of
+/// decoding and verification up to 2.3× faster that way (measured on this project's CPU
+/// machine: `[9×256]·[256×768]` 126 µs through a transposed view, 55 µs contiguous). On other
+/// backends it is used as loaded.
+#[derive(Debug, Clone)]
+pub(crate) struct Proj {
+    weight: Tensor<2>,
+    packed: bool,
+}
+
+impl Proj {
+    pub(crate) fn new(weight: Tensor<2>) -> Self {
+        let cpu = crate::device::DeviceKind::Cpu.device().is_ok_and(|d| d == weight.device());
+        if !cpu {
+            return Self { weight, packed: false };
+        }
+        let options = burn::tensor::TensorCreationOptions::new(weight.device()).with_dtype(weight.dtype());
+        Self { weight: Tensor::from_data(weight.transpose().into_data(), options), packed: true }
+    }
+
+    /// `x · Wᵀ` for the `[out, in]` weight.
+    pub(crate) fn apply(&self, x: Tensor<2>) -> Tensor<2> {
+        if self.packed { x.matmul(self.weight.clone()) } else { linear(x, &self.weight) }
+    }
+
+    /// Element type of the weight.
+    pub(crate) fn dtype(&self) -> burn::tensor::DType {
+        self.weight.dtype()
+    }
 }
 
 impl DecoderLayer {
@@ -80,13 +112,13 @@ impl DecoderLayer {
             loaded(&full);
             Ok(t)
         };
-        let q_proj = matrix("self_attn.q_proj.weight", [heads * head_dim, hidden])?;
-        let k_proj = matrix("self_attn.k_proj.weight", [kv_heads * head_dim, hidden])?;
-        let v_proj = matrix("self_attn.v_proj.weight", [kv_heads * head_dim, hidden])?;
-        let o_proj = matrix("self_attn.o_proj.weight", [hidden, heads * head_dim])?;
-        let gate_proj = matrix("mlp.gate_proj.weight", [intermediate, hidden])?;
-        let up_proj = matrix("mlp.up_proj.weight", [intermediate, hidden])?;
-        let down_proj = matrix("mlp.down_proj.weight", [hidden, intermediate])?;
+        let q_proj = Proj::new(matrix("self_attn.q_proj.weight", [heads * head_dim, hidden])?);
+        let k_proj = Proj::new(matrix("self_attn.k_proj.weight", [kv_heads * head_dim, hidden])?);
+        let v_proj = Proj::new(matrix("self_attn.v_proj.weight", [kv_heads * head_dim, hidden])?);
+        let o_proj = Proj::new(matrix("self_attn.o_proj.weight", [hidden, heads * head_dim])?);
+        let gate_proj = Proj::new(matrix("mlp.gate_proj.weight", [intermediate, hidden])?);
+        let up_proj = Proj::new(matrix("mlp.up_proj.weight", [intermediate, hidden])?);
+        let down_proj = Proj::new(matrix("mlp.down_proj.weight", [hidden, intermediate])?);
         let mut vector = |name: &str, len: usize| -> Result<Tensor<1>> {
             let full = format!("{prefix}{name}");
             let t = ckpt.load(&full, [len], dtype, device)?;
@@ -119,16 +151,16 @@ impl DecoderLayer {
         let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
         Self {
             input_layernorm: ones(hidden),
-            q_proj: matrix(heads * head_dim, hidden),
-            k_proj: matrix(kv_heads * head_dim, hidden),
-            v_proj: matrix(kv_heads * head_dim, hidden),
-            o_proj: matrix(hidden, heads * head_dim),
+            q_proj: Proj::new(matrix(heads * head_dim, hidden)),
+            k_proj: Proj::new(matrix(kv_heads * head_dim, hidden)),
+            v_proj: Proj::new(matrix(kv_heads * head_dim, hidden)),
+            o_proj: Proj::new(matrix(hidden, heads * head_dim)),
             q_norm: ones(head_dim),
             k_norm: ones(head_dim),
             post_attention_layernorm: ones(hidden),
-            gate_proj: matrix(intermediate, hidden),
-            up_proj: matrix(intermediate, hidden),
-            down_proj: matrix(hidden, intermediate),
+            gate_proj: Proj::new(matrix(intermediate, hidden)),
+            up_proj: Proj::new(matrix(intermediate, hidden)),
+            down_proj: Proj::new(matrix(hidden, intermediate)),
             shape,
         }
     }
@@ -206,9 +238,9 @@ impl DecoderLayer {
         let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
         let rows = x.dims()[0];
         let h = rms_norm(x, &self.input_layernorm, eps);
-        let q = linear(h.clone(), &self.q_proj).reshape([rows, heads, head_dim]);
-        let k = linear(h.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
-        let v = linear(h, &self.v_proj).reshape([rows, kv_heads, head_dim]);
+        let q = self.q_proj.apply(h.clone()).reshape([rows, heads, head_dim]);
+        let k = self.k_proj.apply(h.clone()).reshape([rows, kv_heads, head_dim]);
+        let v = self.v_proj.apply(h).reshape([rows, kv_heads, head_dim]);
         (
             apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin),
             apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin),
@@ -223,9 +255,9 @@ impl DecoderLayer {
     fn finish(&self, x: Tensor<2>, attn: Tensor<3>) -> Tensor<2> {
         let LayerShape { heads, head_dim, eps, .. } = self.shape;
         let rows = x.dims()[0];
-        let x = x + linear(attn.reshape([rows, heads * head_dim]), &self.o_proj);
+        let x = x + self.o_proj.apply(attn.reshape([rows, heads * head_dim]));
         let h = rms_norm(x.clone(), &self.post_attention_layernorm, eps);
-        x + linear(swiglu(linear(h.clone(), &self.gate_proj), linear(h, &self.up_proj)), &self.down_proj)
+        x + self.down_proj.apply(swiglu(self.gate_proj.apply(h.clone()), self.up_proj.apply(h)))
     }
 }
 
@@ -258,9 +290,9 @@ impl DecoderLayer {
     ) -> Result<()> {
         let LayerShape { kv_heads, head_dim, eps, .. } = self.shape;
         let rows = c.dims()[0];
-        let k = linear(c.clone(), &self.k_proj).reshape([rows, kv_heads, head_dim]);
+        let k = self.k_proj.apply(c.clone()).reshape([rows, kv_heads, head_dim]);
         let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
-        let v = linear(c, &self.v_proj).reshape([rows, kv_heads, head_dim]);
+        let v = self.v_proj.apply(c).reshape([rows, kv_heads, head_dim]);
         cache.write(layer, seq, start, k, v)
     }
 
