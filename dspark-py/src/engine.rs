@@ -193,6 +193,7 @@ impl Engine {
             kv_budget_bytes: kv_budget_bytes.unwrap_or(defaults.kv_budget_bytes),
             page_size: page_size.unwrap_or(defaults.page_size),
             verify,
+            ..defaults
         };
         let draft_defaults = DraftCacheConfig::default();
         let draft_cache = DraftCacheConfig {

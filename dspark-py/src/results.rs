@@ -4,11 +4,12 @@
 use dspark::FinishReason;
 use pyo3::prelude::*;
 
-/// `"stop"`, `"length"` or `None`, and the stop token.
+/// `"stop"`, `"length"`, `"cancelled"` or `None`, and the stop token.
 pub(crate) fn finish_fields(finish: Option<FinishReason>) -> (Option<String>, Option<u32>) {
     match finish {
         Some(FinishReason::Stop(t)) => (Some("stop".into()), Some(t)),
         Some(FinishReason::Length) => (Some("length".into()), None),
+        Some(FinishReason::Cancelled) => (Some("cancelled".into()), None),
         // `None` (max_new_tokens was 0) and any reason added to the Rust enum later.
         _ => (None, None),
     }

@@ -44,6 +44,28 @@ impl KvLayout {
     }
 }
 
+/// Occupancy of a page pool, for admission control.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolState {
+    /// Rows per page.
+    pub page_size: usize,
+    /// Pages not held by any sequence.
+    pub free_pages: usize,
+    /// Pages in the pool.
+    pub total_pages: usize,
+    /// Bytes per page (all layers, K and V).
+    pub page_bytes: usize,
+    /// The byte budget fixed at construction.
+    pub budget_bytes: usize,
+}
+
+impl PoolState {
+    /// Pages that `rows` rows occupy.
+    pub fn pages_for(&self, rows: usize) -> usize {
+        rows.div_ceil(self.page_size)
+    }
+}
+
 /// Key/value storage for many sequences.
 ///
 /// The model drives it in three steps per forward: [`KvCache::reserve`] the new rows of every
@@ -177,6 +199,17 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             next_id: 0,
         })
+    }
+
+    /// Occupancy of the pool now.
+    pub fn pool_state(&self) -> PoolState {
+        PoolState {
+            page_size: self.layout.page_size,
+            free_pages: self.free.len(),
+            total_pages: self.num_pages,
+            page_bytes: self.layout.page_bytes(),
+            budget_bytes: self.budget_bytes,
+        }
     }
 
     /// Pages in the pool.

@@ -30,11 +30,11 @@ pub mod weights;
 pub use config::Qwen3Config;
 pub use device::{ComputeDtype, DeviceKind};
 pub use engine::{
-    BatchStats, Engine, EngineConfig, FinishReason, Generation, GenerationStats, Request, RoundRecord,
-    TokenEvent, VerifyPolicy,
+    BatchStats, Engine, EngineConfig, FinishReason, Generation, GenerationStats, Request, RequestId,
+    RoundRecord, StepEvent, StepOutput, TokenEvent, VerifyPolicy,
 };
 pub use error::{Error, Result};
-pub use kv_cache::{KvCache, KvLayout, PagedKvCache, SeqId};
+pub use kv_cache::{KvCache, KvLayout, PagedKvCache, PoolState, SeqId};
 pub use model::{
     DSparkConfig, DSparkDraft, DraftCacheConfig, ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk,
     TargetBinding,

@@ -3,7 +3,7 @@
 use burn::tensor::Tensor;
 
 use crate::error::Result;
-use crate::kv_cache::SeqId;
+use crate::kv_cache::{PoolState, SeqId};
 use crate::sampling::SamplingParams;
 
 /// One lane asking for a proposal.
@@ -62,6 +62,12 @@ pub trait Speculator {
     /// # Errors
     /// [`crate::Error::UnknownSequence`] or backend failures.
     fn propose(&mut self, lanes: &[ProposeLane<'_>]) -> Result<Vec<Proposal>>;
+
+    /// Occupancy of the draft's context cache, for admission control and preemption; `None`
+    /// when the draft's context is not bounded by a page pool.
+    fn context_pool(&self) -> Option<PoolState> {
+        None
+    }
 
     /// Drop a sequence and its context.
     ///

@@ -125,9 +125,9 @@ fn spec_greedy(dtype: ComputeDtype, strict: bool) {
                 let prompt = ids(&case["input_ids"]);
                 let request = Request { prompt, params: SamplingParams::greedy(24) };
                 let spec = e.generate(std::slice::from_ref(&request)).unwrap().remove(0);
-                let target_only = target_only_of
-                    .entry(request.prompt.clone())
-                    .or_insert_with(|| plain.generate(std::slice::from_ref(&request)).unwrap().remove(0).tokens);
+                let target_only = target_only_of.entry(request.prompt.clone()).or_insert_with(|| {
+                    plain.generate(std::slice::from_ref(&request)).unwrap().remove(0).tokens
+                });
                 let golden_tokens = ids(&case["expected"]["output_tokens"]);
                 let vs_golden = spec.tokens.iter().zip(&golden_tokens).position(|(a, b)| a != b);
                 let vs_target = spec.tokens.iter().zip(target_only.iter()).position(|(a, b)| a != b);

@@ -3,7 +3,7 @@
 //! lossless comparison is measured against; the speculative mode is in `speculative.rs`.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -11,7 +11,7 @@ use burn::tensor::{Int, Tensor, TensorData};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, PagedKvCache, SeqId};
 use crate::model::{LoadOptions, LogitRows, Qwen3, SeqChunk};
-use crate::sampling::{SamplingParams, sample_token};
+use crate::sampling::SamplingParams;
 use crate::speculator::Speculator;
 
 /// Engine settings fixed at construction.
@@ -23,11 +23,22 @@ pub struct EngineConfig {
     pub page_size: usize,
     /// How many of the draft's γ tokens each speculative round verifies.
     pub verify: VerifyPolicy,
+    /// Most requests decoded together; the others wait in the queue.
+    pub max_lanes: usize,
+    /// Prompt rows prefilled in one step at most (one request is always admitted when it fits),
+    /// which bounds the activations of a prefill.
+    pub max_prefill_tokens: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { kv_budget_bytes: 256 << 20, page_size: 16, verify: VerifyPolicy::Full }
+        Self {
+            kv_budget_bytes: 256 << 20,
+            page_size: 16,
+            verify: VerifyPolicy::Full,
+            max_lanes: 256,
+            max_prefill_tokens: 8192,
+        }
     }
 }
 
@@ -62,6 +73,31 @@ pub enum FinishReason {
     Stop(u32),
     /// It reached `max_new_tokens`.
     Length,
+    /// [`Engine::cancel`] stopped it; the tokens generated so far are kept.
+    Cancelled,
+}
+
+/// Identifies a request submitted with [`Engine::submit`].
+pub type RequestId = u64;
+
+/// Tokens newly committed for one submitted request during a [`Engine::step`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepEvent {
+    /// The request.
+    pub id: RequestId,
+    /// The new tokens, in order.
+    pub tokens: Vec<u32>,
+    /// Set on the request's last event.
+    pub finish: Option<FinishReason>,
+}
+
+/// What one [`Engine::step`] produced.
+#[derive(Debug, Clone, Default)]
+pub struct StepOutput {
+    /// Newly committed tokens, per request, in commit order.
+    pub events: Vec<StepEvent>,
+    /// Requests that finished in this step, with their full results.
+    pub finished: Vec<(RequestId, Generation)>,
 }
 
 /// One speculative round of one request.
@@ -143,6 +179,12 @@ pub struct BatchStats {
     /// Of the decode time, speculative rounds only: acceptance, commits and the draft's context
     /// update (the rest of a round).
     pub commit_time: Duration,
+    /// Requests preempted under KV pressure (their KV freed, later resumed by recomputing it).
+    pub preemptions: usize,
+    /// Prompt and resumed rows recomputed by prefills.
+    pub prefill_tokens: usize,
+    /// Most lanes decoded together in one round.
+    pub peak_lanes: usize,
 }
 
 impl BatchStats {
@@ -165,12 +207,32 @@ pub struct TokenEvent<'a> {
 }
 
 /// Generation over a Qwen3 target with a paged KV cache, optionally speculating with a draft.
+///
+/// Two ways to drive it: [`Engine::generate`] runs a batch of requests to completion, and
+/// [`Engine::submit`] / [`Engine::step`] / [`Engine::cancel`] serve requests continuously: each
+/// step admits waiting requests that fit the KV budgets (prefilling them), then runs one round
+/// (a decode step, or draft → verify → accept) over every running request. Requests join and
+/// leave between rounds; under KV pressure the most recently admitted requests are preempted
+/// (their KV freed) and resumed later by recomputing their context, so nothing admitted is lost.
 pub struct Engine {
     pub(super) target: Qwen3,
     pub(super) cache: PagedKvCache,
     pub(super) draft: Option<Box<dyn Speculator + Send>>,
     pub(super) verify: VerifyPolicy,
+    pub(super) max_lanes: usize,
+    pub(super) max_prefill_tokens: usize,
+    /// Submitted requests not running: new ones, and preempted ones (at the front).
+    pub(super) waiting: std::collections::VecDeque<Waiting>,
+    /// Requests holding KV, in admission order.
+    pub(super) running: Vec<Live>,
+    pub(super) next_id: RequestId,
+    pub(super) admissions: u64,
+    /// Statistics accumulated by steps since the last [`Engine::take_stats`].
+    pub(super) stats: BatchStats,
     pub(super) last_stats: BatchStats,
+    /// Events and results of requests not owned by the `generate` call that produced them,
+    /// handed out by the next `step`.
+    pub(super) parked: StepOutput,
 }
 
 impl std::fmt::Debug for Engine {
@@ -179,13 +241,25 @@ impl std::fmt::Debug for Engine {
             .field("target", &self.target.config())
             .field("speculative", &self.draft.is_some())
             .field("verify", &self.verify)
+            .field("running", &self.running.len())
+            .field("waiting", &self.waiting.len())
             .finish()
     }
 }
 
+/// A submitted request that holds no KV: not admitted yet, or preempted.
+pub(super) struct Waiting {
+    pub id: RequestId,
+    pub request: Request,
+    /// Tokens generated before a preemption (empty for a new request).
+    pub tokens: Vec<u32>,
+    pub stats: GenerationStats,
+}
+
 /// A request being generated.
 pub(super) struct Live {
-    pub request: usize,
+    pub id: RequestId,
+    pub request: Request,
     pub seq: SeqId,
     /// The draft's sequence, when speculating.
     pub draft_seq: Option<SeqId>,
@@ -193,17 +267,36 @@ pub(super) struct Live {
     pub next: u32,
     pub tokens: Vec<u32>,
     pub stats: GenerationStats,
+    /// Admission order: preemption takes the most recent first.
+    pub admitted: u64,
 }
 
 impl Engine {
     /// An engine around a loaded target, with its KV pool allocated now.
     ///
     /// # Errors
-    /// [`Error::InvalidInput`] when the budget holds no KV page.
+    /// [`Error::InvalidInput`] when the budget holds no KV page or `max_lanes` is 0.
     pub fn new(target: Qwen3, config: &EngineConfig) -> Result<Self> {
+        if config.max_lanes == 0 {
+            return Err(Error::InvalidInput("max_lanes must be at least 1".into()));
+        }
         let cache =
             PagedKvCache::new(target.kv_layout(config.page_size), config.kv_budget_bytes, target.device())?;
-        Ok(Self { target, cache, draft: None, verify: config.verify, last_stats: BatchStats::default() })
+        Ok(Self {
+            target,
+            cache,
+            draft: None,
+            verify: config.verify,
+            max_lanes: config.max_lanes,
+            max_prefill_tokens: config.max_prefill_tokens.max(1),
+            waiting: std::collections::VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            admissions: 0,
+            stats: BatchStats::default(),
+            last_stats: BatchStats::default(),
+            parked: StepOutput::default(),
+        })
     }
 
     /// A speculative engine: `draft` proposes, the target verifies; same API as target-only.
@@ -265,194 +358,6 @@ impl Engine {
         &self.last_stats
     }
 
-    /// Generate for every request at once.
-    ///
-    /// # Errors
-    /// As [`Engine::generate_stream`].
-    pub fn generate(&mut self, requests: &[Request]) -> Result<Vec<Generation>> {
-        self.generate_stream(requests, &mut |_| {})
-    }
-
-    /// Generate for every request at once, calling `on_tokens` as tokens are committed.
-    ///
-    /// # Errors
-    /// [`Error::InvalidInput`] for an empty prompt, [`Error::TokenOutOfRange`],
-    /// [`Error::InvalidSampling`], [`Error::KvCacheFull`] when the requests do not fit the KV
-    /// budget (the cache is left as it was before the call).
-    pub fn generate_stream(
-        &mut self,
-        requests: &[Request],
-        on_tokens: &mut dyn FnMut(TokenEvent<'_>),
-    ) -> Result<Vec<Generation>> {
-        for r in requests {
-            if r.prompt.is_empty() {
-                return Err(Error::InvalidInput("empty prompt".into()));
-            }
-            self.target.check_tokens(&r.prompt)?;
-            r.params.validate()?;
-        }
-        let mut seqs = Vec::new();
-        let mut draft_seqs = Vec::new();
-        let result = if self.draft.is_some() {
-            self.run_speculative(requests, on_tokens, &mut seqs, &mut draft_seqs)
-        } else {
-            self.run(requests, on_tokens, &mut seqs)
-        };
-        // Sequences that finished were freed already; free the rest (on error too).
-        for seq in seqs {
-            let _ = self.cache.free(seq);
-        }
-        if let Some(draft) = self.draft.as_mut() {
-            for seq in draft_seqs {
-                let _ = draft.end(seq);
-            }
-        }
-        result
-    }
-
-    /// Fresh per-request results, before any token.
-    pub(super) fn empty_results(requests: &[Request]) -> Vec<Generation> {
-        requests
-            .iter()
-            .map(|r| Generation {
-                tokens: Vec::new(),
-                finish: None,
-                stats: GenerationStats { prompt_tokens: r.prompt.len(), ..GenerationStats::default() },
-            })
-            .collect()
-    }
-
-    /// Target-only generation.
-    fn run(
-        &mut self,
-        requests: &[Request],
-        on_tokens: &mut dyn FnMut(TokenEvent<'_>),
-        seqs: &mut Vec<SeqId>,
-    ) -> Result<Vec<Generation>> {
-        let mut stats = BatchStats::default();
-        let mut out = Self::empty_results(requests);
-        let started = Instant::now();
-        // 1. prefill every request that wants tokens, in one ragged forward; sample token 1.
-        let mut live = self.start_lanes(requests, seqs, None)?;
-        if !live.is_empty() {
-            let chunks = prompt_chunks(requests, &live);
-            let output = self.target.forward(&chunks, &[], &mut self.cache)?;
-            stats.forward_passes += 1;
-            self.sample_rows(output.logits, requests, &mut live)?;
-        }
-        stats.prefill_time = started.elapsed();
-        // 2. commit sampled tokens, retire finished requests, step the rest.
-        let decode_started = Instant::now();
-        let mut first = true;
-        loop {
-            let mut still = Vec::with_capacity(live.len());
-            for mut l in live {
-                if !first {
-                    l.stats.rounds += 1;
-                }
-                let token = l.next;
-                still.extend(self.emit(l, &[token], requests, &mut out, &mut stats, on_tokens)?);
-            }
-            first = false;
-            live = still;
-            if live.is_empty() {
-                break;
-            }
-            let steps: Vec<[u32; 1]> = live.iter().map(|l| [l.next]).collect();
-            let chunks: Vec<SeqChunk<'_>> = live
-                .iter()
-                .zip(&steps)
-                .map(|(l, t)| SeqChunk { seq: l.seq, tokens: t, logits: LogitRows::Last })
-                .collect();
-            let output = self.target.forward(&chunks, &[], &mut self.cache)?;
-            stats.forward_passes += 1;
-            self.sample_rows(output.logits, requests, &mut live)?;
-        }
-        stats.decode_time = decode_started.elapsed();
-        self.last_stats = stats;
-        Ok(out)
-    }
-
-    /// Commit `tokens` to a lane, stream what was committed, and retire the lane (freeing its
-    /// caches) when it finished. Returns the lane when it goes on.
-    pub(super) fn emit(
-        &mut self,
-        mut l: Live,
-        tokens: &[u32],
-        requests: &[Request],
-        out: &mut [Generation],
-        stats: &mut BatchStats,
-        on_tokens: &mut dyn FnMut(TokenEvent<'_>),
-    ) -> Result<Option<Live>> {
-        let params = &requests[l.request].params;
-        let (emitted, finish) = commit(&mut l, tokens, params);
-        stats.generated_tokens += emitted;
-        on_tokens(TokenEvent { request: l.request, tokens: &tokens[..emitted], finish });
-        match finish {
-            Some(reason) => {
-                self.cache.free(l.seq)?;
-                if let (Some(d), Some(seq)) = (self.draft.as_mut(), l.draft_seq) {
-                    d.end(seq)?;
-                }
-                retire(out, l, reason);
-                Ok(None)
-            }
-            None => Ok(Some(l)),
-        }
-    }
-
-    /// Allocate target (and draft) sequences for every request that wants tokens.
-    pub(super) fn start_lanes(
-        &mut self,
-        requests: &[Request],
-        seqs: &mut Vec<SeqId>,
-        mut draft_seqs: Option<&mut Vec<SeqId>>,
-    ) -> Result<Vec<Live>> {
-        let mut live = Vec::new();
-        for (i, r) in requests.iter().enumerate() {
-            if r.params.max_new_tokens == 0 {
-                continue;
-            }
-            let seq = self.cache.allocate();
-            seqs.push(seq);
-            let draft_seq = match (self.draft.as_mut(), draft_seqs.as_deref_mut()) {
-                (Some(d), Some(list)) => {
-                    let s = d.begin();
-                    list.push(s);
-                    Some(s)
-                }
-                _ => None,
-            };
-            live.push(Live {
-                request: i,
-                seq,
-                draft_seq,
-                next: 0,
-                tokens: Vec::new(),
-                stats: GenerationStats::default(),
-            });
-        }
-        Ok(live)
-    }
-
-    /// Read one logits row per live request and draw its next token.
-    pub(super) fn sample_rows(
-        &self,
-        logits: Option<Tensor<2>>,
-        requests: &[Request],
-        live: &mut [Live],
-    ) -> Result<()> {
-        let logits = logits.ok_or_else(|| Error::Backend("forward returned no logits".into()))?;
-        let vocab = self.target.vocab_size();
-        let host = read_f32(logits)?;
-        for (row, l) in live.iter_mut().enumerate() {
-            let req = &requests[l.request];
-            let position = req.prompt.len() + l.tokens.len();
-            l.next = sample_token(&host[row * vocab..(row + 1) * vocab], &req.params, position);
-        }
-        Ok(())
-    }
-
     /// Log-probability of every token of `tokens` after the first, given the tokens before it
     /// (raw target distribution: temperature 1, no filtering).
     ///
@@ -478,38 +383,6 @@ impl Engine {
         let index = Tensor::<2, Int>::from_data(TensorData::new(next, [n, 1]), &logits.device());
         read_f32(log_softmax(logits, 1).gather(1, index))
     }
-}
-
-/// The prompt of every live request as one chunk, logits for its last row.
-pub(super) fn prompt_chunks<'a>(requests: &'a [Request], live: &[Live]) -> Vec<SeqChunk<'a>> {
-    live.iter()
-        .map(|l| SeqChunk { seq: l.seq, tokens: &requests[l.request].prompt, logits: LogitRows::Last })
-        .collect()
-}
-
-/// Append `tokens` to a request in order, stopping after a stop token (emitted, nothing after
-/// it) or at `max_new_tokens`. Returns how many were appended and why the request finished.
-pub(super) fn commit(l: &mut Live, tokens: &[u32], params: &SamplingParams) -> (usize, Option<FinishReason>) {
-    for (i, &t) in tokens.iter().enumerate() {
-        l.tokens.push(t);
-        if params.stop_token_ids.contains(&t) {
-            return (i + 1, Some(FinishReason::Stop(t)));
-        }
-        if l.tokens.len() >= params.max_new_tokens {
-            return (i + 1, Some(FinishReason::Length));
-        }
-    }
-    (tokens.len(), None)
-}
-
-/// Move a finished request's tokens and statistics into its result slot.
-pub(super) fn retire(out: &mut [Generation], mut l: Live, reason: FinishReason) {
-    l.stats.prompt_tokens = out[l.request].stats.prompt_tokens;
-    l.stats.finish(l.tokens.len());
-    let g = &mut out[l.request];
-    g.finish = Some(reason);
-    g.stats = l.stats;
-    g.tokens = l.tokens;
 }
 
 /// Copy a float tensor to the host as f32.

@@ -2,9 +2,10 @@
 
 mod core;
 mod speculative;
+mod step;
 
 pub(crate) use self::core::read_f32;
 pub use self::core::{
-    BatchStats, Engine, EngineConfig, FinishReason, Generation, GenerationStats, Request, RoundRecord,
-    TokenEvent, VerifyPolicy,
+    BatchStats, Engine, EngineConfig, FinishReason, Generation, GenerationStats, Request, RequestId,
+    RoundRecord, StepEvent, StepOutput, TokenEvent, VerifyPolicy,
 };

@@ -493,6 +493,10 @@ impl Speculator for DSparkDraft {
         Ok(out)
     }
 
+    fn context_pool(&self) -> Option<crate::kv_cache::PoolState> {
+        Some(self.cache.pool_state())
+    }
+
     fn end(&mut self, seq: SeqId) -> Result<()> {
         self.cache.free(seq)
     }
