@@ -157,7 +157,7 @@ impl DSparkDraft {
         let config = DSparkConfig::from_dir(dir)?;
         let path = dir.join("config.json");
         let ckpt = Checkpoint::open(dir)?;
-        let layer_ids = check_fit(&config, &target, &ckpt, &path)?;
+        let layer_ids = check_fit(&config, &target, Some(&ckpt), &path)?;
         let device = target.device.clone();
         let dtype = target.dtype;
         let b = &config.base;
@@ -211,6 +211,95 @@ impl DSparkDraft {
             Some(ConfidenceHead {
                 weight: host("confidence_head.proj.weight", &[1, width])?,
                 bias: host("confidence_head.proj.bias", &[1])?[0],
+                with_markov: config.confidence_head_with_markov,
+            })
+        } else {
+            None
+        };
+        let layout = crate::kv_cache::KvLayout {
+            layers: b.num_hidden_layers,
+            kv_heads: b.num_key_value_heads,
+            head_dim: b.head_dim(),
+            dtype,
+            page_size: cache.page_size,
+        };
+        let cache = PagedKvCache::new(layout, cache.kv_budget_bytes, &device)?;
+        let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
+        Ok(Self {
+            layer_ids,
+            dtype,
+            embed_tokens: target.embed_tokens,
+            lm_head: target.lm_head,
+            device,
+            fc,
+            hidden_norm,
+            layers,
+            norm,
+            markov,
+            confidence,
+            rope,
+            cache,
+            config,
+        })
+    }
+
+    /// A draft with random weights at `config`'s shape, bound to `target` (on its device, in its
+    /// dtype): for benchmarks at real shapes without a checkpoint (acceptance is meaningless).
+    /// Weights are uniform in ±0.02, norms 1; the Markov and confidence heads are present as
+    /// configured. Random draws come from the device's generator (seed it for reproducibility).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the configuration does not fit the target (as for
+    /// [`DSparkDraft::load`]) or has no `target_layer_ids`; [`Error::InvalidInput`] when the
+    /// cache budget holds no page.
+    pub fn random(config: DSparkConfig, target: TargetBinding, cache: &DraftCacheConfig) -> Result<Self> {
+        let path = Path::new("<random draft>");
+        config.base.validate(path)?;
+        let layer_ids = check_fit(&config, &target, None, path)?;
+        let (device, dtype) = (target.device.clone(), target.dtype);
+        let b = &config.base;
+        let (h, v, r) = (b.hidden_size, b.vocab_size, config.markov_rank);
+        let shape = LayerShape {
+            hidden: h,
+            intermediate: b.intermediate_size,
+            heads: b.num_attention_heads,
+            kv_heads: b.num_key_value_heads,
+            head_dim: b.head_dim(),
+            eps: b.rms_norm_eps,
+        };
+        let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+        let dist = burn::tensor::Distribution::Uniform(-0.02, 0.02);
+        let fc = Proj::new(Tensor::random([h, layer_ids.len() * h], dist, opts.clone()));
+        let hidden_norm = Tensor::ones([h], opts.clone());
+        let norm = Tensor::ones([h], opts);
+        let layers =
+            (0..b.num_hidden_layers).map(|_| DecoderLayer::random(shape, dtype, &device, 0.02)).collect();
+        // Host heads: drawn on the device in f32 and copied back.
+        let f32_opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+        let host =
+            |len: usize| -> Result<Vec<f32>> { read_f32(Tensor::<1>::random([len], dist, f32_opts.clone())) };
+        let markov = if r == 0 {
+            None
+        } else {
+            let proj = match config.markov_head_type {
+                MarkovHeadType::Vanilla => None,
+                MarkovHeadType::Gated => Some((host(r * (h + r))?, host(r)?)),
+                MarkovHeadType::Rnn => Some((host(3 * r * (2 * r + h))?, host(3 * r)?)),
+            };
+            Some(MarkovHead {
+                kind: config.markov_head_type,
+                rank: r,
+                hidden: h,
+                w1: host(v * r)?,
+                w2: host(v * r)?,
+                proj,
+            })
+        };
+        let confidence = if config.enable_confidence_head {
+            let width = h + if config.confidence_head_with_markov { r } else { 0 };
+            Some(ConfidenceHead {
+                weight: host(width)?,
+                bias: 0.0,
                 with_markov: config.confidence_head_with_markov,
             })
         } else {
@@ -378,7 +467,12 @@ pub struct MarkovPass {
 }
 
 /// Check the draft against its target; resolve the feature layers.
-fn check_fit(config: &DSparkConfig, t: &TargetBinding, ckpt: &Checkpoint, path: &Path) -> Result<Vec<usize>> {
+fn check_fit(
+    config: &DSparkConfig,
+    t: &TargetBinding,
+    ckpt: Option<&Checkpoint>,
+    path: &Path,
+) -> Result<Vec<usize>> {
     let bad = |message: String| Error::Config { path: path.to_path_buf(), message };
     let depth = t.num_hidden_layers;
     if config.base.hidden_size != t.hidden_size {
@@ -408,6 +502,7 @@ fn check_fit(config: &DSparkConfig, t: &TargetBinding, ckpt: &Checkpoint, path: 
         Some(ids) => ids.clone(),
         None => {
             // Infer how many feature layers from fc's input width.
+            let ckpt = ckpt.ok_or_else(|| bad("target_layer_ids is missing".into()))?;
             let shape = ckpt.shape("fc.weight").ok_or_else(|| Error::MissingTensor {
                 dir: path.parent().map(Path::to_path_buf).unwrap_or_default(),
                 tensor: "fc.weight".into(),
@@ -499,5 +594,73 @@ impl Speculator for DSparkDraft {
 
     fn end(&mut self, seq: SeqId) -> Result<()> {
         self.cache.free(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Qwen3Config;
+    use crate::device::DeviceKind;
+
+    fn tiny_base(layers: usize) -> Qwen3Config {
+        serde_json::from_value(serde_json::json!({
+            "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": false
+        }))
+        .unwrap_or_else(|e| panic!("static config: {e}"))
+    }
+
+    fn draft_config(ids: Option<Vec<usize>>) -> DSparkConfig {
+        DSparkConfig {
+            base: tiny_base(2),
+            block_size: 4,
+            target_layer_ids: ids,
+            mask_token_id: 95,
+            markov_rank: 8,
+            markov_head_type: MarkovHeadType::Vanilla,
+            enable_confidence_head: true,
+            confidence_head_with_markov: true,
+            num_target_layers: Some(4),
+        }
+    }
+
+    #[test]
+    fn a_random_draft_builds_and_proposes_a_full_block() -> Result<()> {
+        let target = Qwen3::random(tiny_base(4), ComputeDtype::F32, DeviceKind::Cpu)?;
+        let mut draft = DSparkDraft::random(
+            draft_config(Some(vec![0, 2])),
+            TargetBinding::of(&target),
+            &DraftCacheConfig { kv_budget_bytes: 1 << 20, page_size: 16 },
+        )?;
+        assert_eq!(draft.layer_ids(), &[0, 2]);
+        let seq = draft.begin();
+        let features =
+            Tensor::<2>::random([5, 2 * 32], burn::tensor::Distribution::Uniform(-1.0, 1.0), target.device());
+        draft.extend_context(seq, features)?;
+        assert_eq!(draft.context_len(seq)?, 5);
+        for params in
+            [SamplingParams::greedy(8), SamplingParams { temperature: 1.0, ..SamplingParams::default() }]
+        {
+            let out = draft.propose(&[ProposeLane { seq, anchor: 7, params: &params }])?;
+            assert_eq!(out[0].tokens.len(), 4);
+            assert!(out[0].tokens.iter().all(|&t| t < 96));
+            assert_eq!(out[0].confidence.as_ref().map(Vec::len), Some(4));
+            assert_eq!(out[0].q.is_some(), !params.is_greedy());
+        }
+        draft.end(seq)
+    }
+
+    #[test]
+    fn a_random_draft_is_checked_against_its_target() -> Result<()> {
+        let target = Qwen3::random(tiny_base(4), ComputeDtype::F32, DeviceKind::Cpu)?;
+        let cache = DraftCacheConfig { kv_budget_bytes: 1 << 20, page_size: 16 };
+        // the last target layer is never a feature layer; ids are required without a checkpoint
+        for ids in [Some(vec![1, 3]), None] {
+            let err = DSparkDraft::random(draft_config(ids), TargetBinding::of(&target), &cache);
+            assert!(matches!(err, Err(Error::Config { .. })), "{err:?}");
+        }
+        Ok(())
     }
 }
