@@ -112,8 +112,13 @@ struct GenerateArgs {
     #[arg(long, requires = "draft", conflicts_with = "confidence_threshold")]
     verify_width: Option<usize>,
     /// Verify the drafts before the first whose confidence is below this value.
-    #[arg(long, requires = "draft")]
+    #[arg(long, requires = "draft", conflicts_with = "cost_table")]
     confidence_threshold: Option<f32>,
+    /// Throughput scheduler: choose each round's verify rows from this measured cost table
+    /// (JSON written by `bench-cost-table`, e.g. benches/results/cost-tables/cpu-tiny-code.json)
+    /// and the draft's confidences.
+    #[arg(long, requires = "draft", conflicts_with = "verify_width")]
+    cost_table: Option<PathBuf>,
     /// Print one JSON object `{"tokens", "text", "stats"}` instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -155,15 +160,17 @@ fn main() -> ExitCode {
 }
 
 fn load_engine(model: &ModelArgs, quiet: bool) -> dspark::Result<Engine> {
-    load_speculative(model, None, VerifyPolicy::Full, quiet)
+    load_speculative(model, None, VerifyPolicy::Full, None, quiet)
 }
 
 fn load_speculative(
     model: &ModelArgs,
     draft: Option<&Path>,
     verify: VerifyPolicy,
+    cost_table: Option<&Path>,
     quiet: bool,
 ) -> dspark::Result<Engine> {
+    let cost_table = cost_table.map(dspark::engine::schedule::CostTable::load).transpose()?;
     let device: DeviceKind = model.device.parse()?;
     let dtype: ComputeDtype = model.dtype.parse()?;
     let bar = ProgressBar::new(0);
@@ -181,8 +188,12 @@ fn load_speculative(
         bar.set_position(done);
     };
     let options = LoadOptions { device, dtype, progress: Some(&progress) };
-    let config =
-        EngineConfig { kv_budget_bytes: model.kv_budget_mib << 20, verify, ..EngineConfig::default() };
+    let config = EngineConfig {
+        kv_budget_bytes: model.kv_budget_mib << 20,
+        verify,
+        cost_table: cost_table.map(std::sync::Arc::new),
+        ..EngineConfig::default()
+    };
     let engine = match draft {
         None => Engine::load(&model.target, options, &config),
         Some(dir) => Qwen3::load(&model.target, options).and_then(|target| {
@@ -223,12 +234,14 @@ fn generate(args: GenerateArgs) -> dspark::Result<()> {
         }
         (None, None) => return Err(dspark::Error::InvalidInput("give --prompt or --prompt-ids".into())),
     };
-    let verify = match (args.verify_width, args.confidence_threshold) {
-        (Some(w), _) => VerifyPolicy::Fixed(w),
-        (None, Some(t)) => VerifyPolicy::Threshold(t),
-        (None, None) => VerifyPolicy::Full,
+    let verify = match (args.verify_width, args.confidence_threshold, &args.cost_table) {
+        (Some(w), _, _) => VerifyPolicy::Fixed(w),
+        (None, Some(t), _) => VerifyPolicy::Threshold(t),
+        (None, None, Some(_)) => VerifyPolicy::Throughput,
+        (None, None, None) => VerifyPolicy::Full,
     };
-    let mut engine = load_speculative(&args.model, args.draft.as_deref(), verify, args.json)?;
+    let mut engine =
+        load_speculative(&args.model, args.draft.as_deref(), verify, args.cost_table.as_deref(), args.json)?;
     let mut stop = args.stop_token_ids.clone();
     if !args.ignore_eos {
         stop.extend(engine.target().config().eos_ids());

@@ -102,6 +102,22 @@ fn specforge_layout_with_block_16_and_no_confidence_head() {
     )
     .unwrap_err();
     assert!(matches!(err, Error::InvalidInput(_)), "{err}");
+    // The throughput scheduler reads confidences too.
+    let t = target();
+    let d = load(dir.path(), &t).unwrap();
+    let table = dspark::engine::schedule::CostTable::new(
+        Default::default(),
+        vec![dspark::engine::schedule::VerifyCost::new(1, 1.0)],
+        vec![dspark::engine::schedule::DraftCost { lanes: 1, ms: 1.0 }],
+    )
+    .unwrap();
+    let config = EngineConfig {
+        verify: VerifyPolicy::Throughput,
+        cost_table: Some(std::sync::Arc::new(table)),
+        ..EngineConfig::default()
+    };
+    let err = Engine::with_draft(t, Box::new(d), &config).unwrap_err();
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
 }
 
 #[test]

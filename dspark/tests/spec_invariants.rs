@@ -7,6 +7,9 @@ mod common;
 
 use burn::tensor::Tensor;
 use common::*;
+use std::sync::Arc;
+
+use dspark::engine::schedule::{CostMeta, CostTable, DraftCost, VerifyCost};
 use dspark::{
     DSparkDraft, DraftCacheConfig, Engine, EngineConfig, KvCache, LoadOptions, Proposal, ProposeLane, Qwen3,
     Request, SamplingParams, SeqId, Speculator, VerifyPolicy,
@@ -27,9 +30,20 @@ fn draft(target: &Qwen3) -> DSparkDraft {
 }
 
 fn spec_engine(verify: VerifyPolicy) -> Engine {
+    spec_engine_with(verify, None)
+}
+
+fn spec_engine_with(verify: VerifyPolicy, cost_table: Option<CostTable>) -> Engine {
     let t = target();
     let d = draft(&t);
-    Engine::with_draft(t, Box::new(d), &EngineConfig { verify, ..EngineConfig::default() }).unwrap()
+    let config = EngineConfig { verify, cost_table: cost_table.map(Arc::new), ..EngineConfig::default() };
+    Engine::with_draft(t, Box::new(d), &config).unwrap()
+}
+
+/// A synthetic cost table: a draft round of 1 ms, a verify step of `1 + slope·T` ms for T rows.
+fn cost_table(slope: f64) -> CostTable {
+    let verify = vec![VerifyCost::new(1, 1.0 + slope), VerifyCost::new(4096, 1.0 + slope * 4096.0)];
+    CostTable::new(CostMeta::default(), verify, vec![DraftCost { lanes: 1, ms: 1.0 }]).unwrap()
 }
 
 fn greedy_requests(n: usize) -> Vec<Request> {
@@ -58,6 +72,32 @@ fn greedy_speculative_equals_greedy_target_only_for_every_verify_width() {
         }
         assert_eq!(e.cache().bytes_used(), 0, "{policy:?}: target KV freed");
     }
+    // The throughput scheduler, with verification priced steeply (few drafts verified) and
+    // almost free (all verified).
+    for slope in [2.0, 1e-6] {
+        let mut e = spec_engine_with(VerifyPolicy::Throughput, Some(cost_table(slope)));
+        let out = e.generate(&greedy_requests(40)).unwrap();
+        for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
+            assert_eq!(o.tokens, r.tokens, "throughput slope {slope}, prompt {i}");
+        }
+        let (rounds, drafted): (usize, usize) =
+            out.iter().fold((0, 0), |(r, d), o| (r + o.stats.rounds, d + o.stats.drafted));
+        eprintln!("throughput slope {slope}: {drafted} drafts verified in {rounds} lane-rounds");
+        if slope > 1.0 {
+            assert!(drafted < rounds * 4 / 2, "a steep cost must shrink the verify budget");
+        } else {
+            assert_eq!(drafted, rounds * 4, "free verification verifies every draft");
+        }
+    }
+}
+
+#[test]
+fn throughput_policy_needs_a_cost_table() {
+    let t = target();
+    let d = draft(&t);
+    let config = EngineConfig { verify: VerifyPolicy::Throughput, ..EngineConfig::default() };
+    let err = Engine::with_draft(t, Box::new(d), &config).unwrap_err();
+    assert!(matches!(err, dspark::Error::InvalidInput(_)), "{err}");
 }
 
 #[test]
@@ -247,6 +287,24 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
             "speculative sampling deviates from the target: chi2 {stat:.1} > {limit:.1} ({df} df)"
         );
         assert!(e.last_stats().drafted > 0);
+    }
+    // Under the throughput scheduler with a binding budget: the engine first runs a round so
+    // every later lane's first round has a prior, and 250 lanes share each round's budget.
+    let mut e = spec_engine_with(VerifyPolicy::Throughput, Some(cost_table(0.02)));
+    e.generate(&greedy_requests(8)).unwrap();
+    for params in &settings[..2] {
+        let exact = stats::exact_second_token(&model, &prompt, params, 0.0);
+        let counts = second_token_counts(&mut e, &prompt, params, n);
+        let (stat, df) = stats::chi_square(&counts, &exact);
+        let limit = stats::chi_square_limit(df);
+        let s = e.last_stats();
+        eprintln!(
+            "throughput {params:?}: chi2 {stat:.1} on {df} df (limit {limit:.1}); {} drafts verified of {}",
+            s.drafted,
+            s.draft_passes * 250 * 4
+        );
+        assert!(stat < limit, "throughput scheduler: chi2 {stat:.1} > {limit:.1} ({df} df)");
+        assert!(s.drafted > 0 && s.drafted < s.draft_passes * 250 * 4, "the budget must bind: {s:?}");
     }
     // The same test must reject an engine whose acceptance ignores the ratio.
     let t = target();

@@ -84,6 +84,62 @@ fn greedy_speculative_equals_target_only_and_the_simulation_on_heldout_code_with
 }
 
 #[test]
+fn under_kv_pressure_and_the_throughput_scheduler_output_is_unchanged() {
+    // The held-out requests through a speculative engine whose target pool is three pages larger
+    // than the largest request needs alone (so lanes are queued, preempted and resumed), once
+    // with full-width verification and once with the throughput scheduler on the committed CPU
+    // cost table: every output equals the roomy run's, token for token.
+    let cases = heldout();
+    let requests: Vec<Request> = cases
+        .iter()
+        .map(|(prompt, tokens, _)| Request {
+            prompt: prompt.clone(),
+            params: SamplingParams::greedy(tokens.len()),
+        })
+        .collect();
+    let expected = spec_engine().generate(&requests).unwrap();
+    let table = dspark::engine::schedule::CostTable::load(
+        &models().join("../benches/results/cost-tables/cpu-tiny-code.json"),
+    )
+    .unwrap();
+    let layout = target().kv_layout(16);
+    let window = 9;
+    let need = requests.iter().map(|r| (r.prompt.len() + r.params.max_new_tokens - 1 + window).div_ceil(16));
+    let pages = need.max().unwrap() + 3;
+    for verify in [dspark::VerifyPolicy::Full, dspark::VerifyPolicy::Throughput] {
+        let t = target();
+        let d = DSparkDraft::load(
+            &models().join("tiny-code-dspark"),
+            &t,
+            LoadOptions::default(),
+            &DraftCacheConfig::default(),
+        )
+        .unwrap();
+        let config = EngineConfig {
+            kv_budget_bytes: pages * layout.page_bytes(),
+            page_size: 16,
+            verify,
+            cost_table: Some(std::sync::Arc::new(table.clone())),
+            ..EngineConfig::default()
+        };
+        let mut e = Engine::with_draft(t, Box::new(d), &config).unwrap();
+        let out = e.generate(&requests).unwrap();
+        for (i, (o, x)) in out.iter().zip(&expected).enumerate() {
+            assert_eq!(o.tokens, x.tokens, "{verify:?}, prompt {i}");
+        }
+        let s = e.last_stats();
+        eprintln!(
+            "{verify:?} in {pages} pages: {} preemptions, peak {} lanes, τ {:.2}",
+            s.preemptions,
+            s.peak_lanes,
+            (s.generated_tokens - requests.len()) as f64
+                / out.iter().map(|o| o.stats.rounds).sum::<usize>() as f64
+        );
+        assert!(s.preemptions > 0, "{verify:?}: the budget was meant to force preemption");
+    }
+}
+
+#[test]
 fn sampling_at_temperature_0_8_keeps_the_target_distribution() {
     // A held-out prompt, text through the shipped tokenizer.
     let tok = Tokenizer::from_dir(&models().join("tiny-code-qwen3")).unwrap();

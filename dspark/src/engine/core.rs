@@ -28,6 +28,8 @@ pub struct EngineConfig {
     /// Prompt rows prefilled in one step at most (one request is always admitted when it fits),
     /// which bounds the activations of a prefill.
     pub max_prefill_tokens: usize,
+    /// Measured target verify and draft round times, for [`VerifyPolicy::Throughput`].
+    pub cost_table: Option<std::sync::Arc<super::schedule::CostTable>>,
 }
 
 impl Default for EngineConfig {
@@ -38,6 +40,7 @@ impl Default for EngineConfig {
             verify: VerifyPolicy::Full,
             max_lanes: 256,
             max_prefill_tokens: 8192,
+            cost_table: None,
         }
     }
 }
@@ -54,6 +57,14 @@ pub enum VerifyPolicy {
     /// The drafts before the first whose confidence is below the threshold (needs a
     /// confidence head; confidence k reads h_k and the draft before it, never draft k itself).
     Threshold(f32),
+    /// The throughput scheduler ([`super::schedule`]): each round's total verify rows are
+    /// chosen from the [`EngineConfig::cost_table`] and the confidences of the lanes' previous
+    /// rounds to maximise expected committed tokens per second, then split across lanes by this
+    /// round's survival (earlier position first on ties). Needs a confidence head and a cost
+    /// table. Exact: whether draft k is verified never depends on draft k's value. A lane's
+    /// verify width depends on the other lanes of its round, so a seeded sampled request is
+    /// reproducible for the same batch, and its distribution never depends on the batch.
+    Throughput,
 }
 
 /// One generation request.
@@ -219,6 +230,10 @@ pub struct Engine {
     pub(super) cache: PagedKvCache,
     pub(super) draft: Option<Box<dyn Speculator + Send>>,
     pub(super) verify: VerifyPolicy,
+    pub(super) cost_table: Option<std::sync::Arc<super::schedule::CostTable>>,
+    /// Mean confidence per draft position over the last speculative round's lanes: the prior
+    /// of a lane's first round under [`VerifyPolicy::Throughput`].
+    pub(super) prior_confidence: Option<Vec<f32>>,
     pub(super) max_lanes: usize,
     pub(super) max_prefill_tokens: usize,
     /// Submitted requests not running: new ones, and preempted ones (at the front).
@@ -269,6 +284,8 @@ pub(super) struct Live {
     pub stats: GenerationStats,
     /// Admission order: preemption takes the most recent first.
     pub admitted: u64,
+    /// Confidences of the lane's previous speculative round.
+    pub last_confidence: Option<Vec<f32>>,
 }
 
 impl Engine {
@@ -287,6 +304,8 @@ impl Engine {
             cache,
             draft: None,
             verify: config.verify,
+            cost_table: config.cost_table.clone(),
+            prior_confidence: None,
             max_lanes: config.max_lanes,
             max_prefill_tokens: config.max_prefill_tokens.max(1),
             waiting: std::collections::VecDeque::new(),
@@ -322,6 +341,14 @@ impl Engine {
             }
             VerifyPolicy::Threshold(t) if !(0.0..=1.0).contains(&t) => {
                 return Err(Error::InvalidInput(format!("confidence threshold {t} outside [0, 1]")));
+            }
+            VerifyPolicy::Throughput if !draft.has_confidence() => {
+                return Err(Error::InvalidInput(
+                    "the throughput scheduler needs a draft with a confidence head".into(),
+                ));
+            }
+            VerifyPolicy::Throughput if config.cost_table.is_none() => {
+                return Err(Error::InvalidInput("the throughput scheduler needs a cost table".into()));
             }
             _ => {}
         }

@@ -8,6 +8,7 @@
 use std::time::Instant;
 
 use super::core::{Engine, RoundRecord, StepOutput, VerifyPolicy, read_f32};
+use super::schedule;
 use crate::accept::{chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
@@ -26,6 +27,8 @@ fn verify_count(policy: VerifyPolicy, proposal: &Proposal, gamma: usize) -> usiz
             Some(c) => c.iter().position(|&x| x < t).unwrap_or(gamma),
             None => gamma,
         },
+        // Decided across lanes by `Engine::throughput_counts`.
+        VerifyPolicy::Throughput => gamma,
     }
 }
 
@@ -51,7 +54,16 @@ impl Engine {
         self.stats.draft_passes += 1;
         let drafted_at = Instant::now();
         self.stats.draft_time += drafted_at - round_started;
-        let counts: Vec<usize> = proposals.iter().map(|p| verify_count(self.verify, p, gamma)).collect();
+        let counts: Vec<usize> = if self.verify == VerifyPolicy::Throughput {
+            self.throughput_counts(&proposals, gamma)?
+        } else {
+            proposals.iter().map(|p| verify_count(self.verify, p, gamma)).collect()
+        };
+        // Each lane's confidences become its "earlier round" for the next budget.
+        for (l, p) in self.running.iter_mut().zip(&proposals) {
+            l.last_confidence.clone_from(&p.confidence);
+        }
+        self.prior_confidence = mean_confidence(&proposals, gamma);
         let windows: Vec<Vec<u32>> = self
             .running
             .iter()
@@ -136,6 +148,27 @@ impl Engine {
         Ok(())
     }
 
+    /// Drafts verified per lane under the throughput scheduler: the budget from the lanes'
+    /// previous confidences (or the last round's mean for a lane's first round; everything
+    /// when the engine has no history), split by this round's survival.
+    fn throughput_counts(&self, proposals: &[Proposal], gamma: usize) -> Result<Vec<usize>> {
+        let table = self.cost_table.as_ref().ok_or_else(|| Error::InvalidInput("no cost table".into()))?;
+        let full = vec![1.0f32; gamma];
+        let earlier: Vec<&[f32]> = self
+            .running
+            .iter()
+            .map(|l| l.last_confidence.as_deref().or(self.prior_confidence.as_deref()).unwrap_or(&full))
+            .collect();
+        let budget = schedule::choose_budget(table, &earlier, gamma);
+        let current: Vec<&[f32]> = proposals
+            .iter()
+            .map(|p| {
+                p.confidence.as_deref().ok_or_else(|| Error::Backend("proposal without confidence".into()))
+            })
+            .collect::<Result<_>>()?;
+        Ok(schedule::split_budget(budget, &current, gamma))
+    }
+
     /// Target KV, draft context and committed length must agree after every round.
     fn check_lengths(&self, seq: SeqId, draft_seq: SeqId, committed: usize) -> Result<()> {
         let target = self.cache.len(seq)?;
@@ -150,6 +183,16 @@ impl Engine {
         }
         Ok(())
     }
+}
+
+/// Mean confidence per draft position over a round's proposals (`None` without confidences).
+fn mean_confidence(proposals: &[Proposal], gamma: usize) -> Option<Vec<f32>> {
+    let rows: Vec<&Vec<f32>> = proposals.iter().filter_map(|p| p.confidence.as_ref()).collect();
+    if rows.is_empty() {
+        return None;
+    }
+    let n = rows.len() as f32;
+    Some((0..gamma).map(|k| rows.iter().map(|c| c.get(k).copied().unwrap_or(0.0)).sum::<f32>() / n).collect())
 }
 
 fn grow(v: &mut Vec<usize>, len: usize) {

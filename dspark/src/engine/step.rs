@@ -364,6 +364,7 @@ impl Engine {
                 tokens: w.tokens,
                 stats: w.stats,
                 admitted: self.admissions,
+                last_confidence: None,
             });
         }
         let chunks: Vec<SeqChunk<'_>> = lanes
