@@ -7,7 +7,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
-use super::layer::{BlockLane, DecoderLayer, LayerShape, Proj, linear};
+use super::layer::{BlockLane, DecoderLayer, LayerShape, Proj};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::qwen3::{LoadOptions, Qwen3};
 use super::rope::Rope;
@@ -115,7 +115,7 @@ pub struct DSparkDraft {
     dtype: ComputeDtype,
     device: Device,
     embed_tokens: Tensor<2>,
-    lm_head: Tensor<2>,
+    lm_head: Proj,
     fc: Proj,
     hidden_norm: Tensor<1>,
     layers: Vec<DecoderLayer>,
@@ -229,7 +229,7 @@ impl DSparkDraft {
             layer_ids,
             dtype,
             embed_tokens: target.embed_tokens,
-            lm_head: target.lm_head,
+            lm_head: Proj::new(target.lm_head),
             device,
             fc,
             hidden_norm,
@@ -318,7 +318,7 @@ impl DSparkDraft {
             layer_ids,
             dtype,
             embed_tokens: target.embed_tokens,
-            lm_head: target.lm_head,
+            lm_head: Proj::new(target.lm_head),
             device,
             fc,
             hidden_norm,
@@ -400,7 +400,7 @@ impl DSparkDraft {
             x = layer.forward_block(l, x, &cos, &sin, &block, &self.cache);
         }
         let hidden = rms_norm(x, &self.norm, self.config.base.rms_norm_eps);
-        let logits = linear(hidden.clone(), &self.lm_head);
+        let logits = self.lm_head.apply(hidden.clone());
         let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
         Ok((to32(hidden), to32(logits)))
     }

@@ -1,9 +1,12 @@
 //! One Qwen3 decoder layer: weights in Hugging Face `[out, in]` layout, forward over the rows of
 //! many sequences at once.
 
-use burn::tensor::{Device, Int, Tensor};
+use std::sync::Arc;
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use dspark_kernels::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
 
+use super::cpu_gemm::PackedWeight;
 use crate::device::ComputeDtype;
 use crate::error::Result;
 use crate::kv_cache::{KvCache, SeqId};
@@ -60,35 +63,70 @@ pub(crate) fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
     x.matmul(weight.clone().transpose())
 }
 
-/// A projection weight, loaded in the checkpoint's `[out, in]` layout. On the CPU backend it is
-/// kept transposed and contiguous (`[in, out]`): Flex's matmul runs the few-row products of
-/// decoding and verification up to 2.3× faster that way (measured on this project's CPU
-/// machine: `[9×256]·[256×768]` 126 µs through a transposed view, 55 µs contiguous). On other
+/// A projection weight, loaded in the checkpoint's `[out, in]` layout.
+///
+/// On the CPU backend an f32 weight is copied to the host and packed for
+/// [`cpu_gemm`](super::cpu_gemm), whose few-row products (decode steps, verify windows, draft
+/// blocks) run several times faster than Flex's matmul (see `cpu_gemm`'s timing test). Other CPU
+/// dtypes keep the weight as a burn tensor, transposed and contiguous (`[in, out]`): Flex's matmul
+/// runs few-row products up to 2.3× faster that way than through a transposed view. On other
 /// backends it is used as loaded.
 #[derive(Debug, Clone)]
-pub(crate) struct Proj {
-    weight: Tensor<2>,
-    packed: bool,
+pub(crate) struct Proj(ProjKind);
+
+// A few dozen of these per model: the unused bytes of the host variant do not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+enum ProjKind {
+    /// `[out, in]` as loaded (`transposed` false) or `[in, out]` contiguous (true).
+    Burn { weight: Tensor<2>, transposed: bool },
+    /// f32 on the CPU, packed on the host.
+    Host(Arc<PackedWeight>),
 }
 
 impl Proj {
     pub(crate) fn new(weight: Tensor<2>) -> Self {
         let cpu = crate::device::DeviceKind::Cpu.device().is_ok_and(|d| d == weight.device());
         if !cpu {
-            return Self { weight, packed: false };
+            return Self(ProjKind::Burn { weight, transposed: false });
+        }
+        let [out, inp] = weight.dims();
+        if weight.dtype() == DType::F32
+            && let Ok(host) = weight.to_data().try_into_vec::<f32>()
+        {
+            return Self(ProjKind::Host(Arc::new(PackedWeight::from_out_in(&host, out, inp))));
         }
         let options = burn::tensor::TensorCreationOptions::new(weight.device()).with_dtype(weight.dtype());
-        Self { weight: Tensor::from_data(weight.transpose().into_data(), options), packed: true }
+        let weight = Tensor::from_data(weight.transpose().into_data(), options);
+        Self(ProjKind::Burn { weight, transposed: true })
     }
 
     /// `x · Wᵀ` for the `[out, in]` weight.
     pub(crate) fn apply(&self, x: Tensor<2>) -> Tensor<2> {
-        if self.packed { x.matmul(self.weight.clone()) } else { linear(x, &self.weight) }
+        match &self.0 {
+            ProjKind::Burn { weight, transposed: true } => x.matmul(weight.clone()),
+            ProjKind::Burn { weight, transposed: false } => linear(x, weight),
+            ProjKind::Host(w) => {
+                let [rows, _] = x.dims();
+                let device = x.device();
+                let data =
+                    if x.dtype() == DType::F32 { x.into_data() } else { x.into_data_dtype(DType::F32) };
+                let y = match data.as_slice::<f32>() {
+                    Ok(xs) => w.matmul(xs),
+                    // An f32 tensor always reads back as f32.
+                    Err(e) => panic!("reading an f32 activation back: {e:?}"),
+                };
+                Tensor::from_data(TensorData::new(y, [rows, w.n()]), &device)
+            }
+        }
     }
 
     /// Element type of the weight.
-    pub(crate) fn dtype(&self) -> burn::tensor::DType {
-        self.weight.dtype()
+    pub(crate) fn dtype(&self) -> DType {
+        match &self.0 {
+            ProjKind::Burn { weight, .. } => weight.dtype(),
+            ProjKind::Host(_) => DType::F32,
+        }
     }
 }
 
@@ -331,5 +369,40 @@ impl DecoderLayer {
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 3. output projection, MLP, residuals.
         self.finish(x, attn)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::Distribution;
+
+    use super::*;
+
+    #[test]
+    fn cpu_projection_matches_burn_matmul_within_f32_rounding() {
+        let device = crate::device::DeviceKind::Cpu.device().expect("CPU backend");
+        let uniform = Distribution::Uniform(-1.0, 1.0);
+        for &(out, inp) in &[(1, 1), (33, 37), (95, 67), (200, 13), (768, 256), (256, 768)] {
+            let w = Tensor::<2>::random([out, inp], uniform, &device);
+            let proj = Proj::new(w.clone());
+            assert!(matches!(proj.0, ProjKind::Host(_)), "f32 on the CPU takes the host path");
+            for rows in [1, 2, 3, 7, 8, 9, 12, 13, 16, 17, 64] {
+                let x = Tensor::<2>::random([rows, inp], uniform, &device);
+                let got = proj.apply(x.clone());
+                assert_eq!(got.dims(), [rows, out]);
+                let want = x.clone().matmul(w.clone().transpose());
+                // Each side's summation error is at most inp·ε·Σ|x·w|.
+                let scale = x.abs().matmul(w.clone().abs().transpose());
+                let [got, want, scale] =
+                    [got, want, scale].map(|t| t.into_data().try_to_vec::<f32>().expect("f32 data"));
+                for (i, ((g, w), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+                    let bound = 2.0 * inp as f32 * f32::EPSILON * s;
+                    assert!(
+                        (g - w).abs() <= bound,
+                        "[{out}x{inp}] rows {rows} at {i}: {g} vs {w} (bound {bound})"
+                    );
+                }
+            }
+        }
     }
 }

@@ -1,5 +1,6 @@
 //! Models: the Qwen3 target and the pieces it is built from.
 
+mod cpu_gemm;
 mod draft_config;
 mod dspark_draft;
 mod layer;

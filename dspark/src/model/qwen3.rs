@@ -6,7 +6,7 @@ use std::path::Path;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm;
 
-use super::layer::{DecoderLayer, LayerShape, SeqRows, linear};
+use super::layer::{DecoderLayer, LayerShape, Proj, SeqRows};
 use super::rope::Rope;
 use crate::config::Qwen3Config;
 use crate::device::{ComputeDtype, DeviceKind};
@@ -97,6 +97,8 @@ pub struct Qwen3 {
     norm: Tensor<1>,
     /// `None` when tied to `embed_tokens`.
     lm_head: Option<Tensor<2>>,
+    /// The LM head as a projection (on the CPU, a packed host copy).
+    head: Proj,
     rope: Rope,
 }
 
@@ -141,7 +143,8 @@ impl Qwen3 {
         };
         let theta = config.rope_theta_value().unwrap_or(1e6);
         let rope = Rope::new(theta, config.head_dim());
-        Ok(Self { config, dtype, device, embed_tokens, layers, norm, lm_head, rope })
+        let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
+        Ok(Self { config, dtype, device, embed_tokens, layers, norm, lm_head, head, rope })
     }
 
     /// A model with random weights at the shapes of `config` (validated), built directly on the
@@ -171,7 +174,8 @@ impl Qwen3 {
             .collect();
         let norm = Tensor::ones([h], opts);
         let rope = Rope::new(config.rope_theta_value().unwrap_or(1e6), config.head_dim());
-        Ok(Self { config, dtype, device, embed_tokens, layers, norm, lm_head, rope })
+        let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
+        Ok(Self { config, dtype, device, embed_tokens, layers, norm, lm_head, head, rope })
     }
 
     /// Bytes of weights one decode step streams: every layer plus the LM head.
@@ -333,7 +337,7 @@ impl Qwen3 {
                 x.select(0, Tensor::<1, Int>::from_data(TensorData::new(pick, [n]), &self.device))
             };
             let h = rms_norm(rows, &self.norm, self.config.rms_norm_eps);
-            let logits = linear(h, self.lm_head());
+            let logits = self.head.apply(h);
             Some(if self.dtype == ComputeDtype::F32 { logits } else { logits.cast(burn::tensor::DType::F32) })
         };
         Ok(ForwardOutput {
