@@ -34,7 +34,8 @@ struct Args {
     /// Target checkpoint folder, or `random:qwen3-8b` / `random:tiny` (random weights).
     #[arg(long, default_value = "models/tiny-code-qwen3")]
     target: String,
-    /// Draft checkpoint folder, or `none` (then `--draft-ms` gives the draft times).
+    /// Draft checkpoint folder, `random` (the released DSpark shape for a `random:` target, random
+    /// weights), or `none` (then `--draft-ms` gives the draft times).
     #[arg(long, default_value = "models/tiny-code-dspark")]
     draft: String,
     /// Draft round times when there is no draft to time: `lanes=ms` pairs, e.g. `1=1.1,16=1.6`.
@@ -76,19 +77,11 @@ struct Args {
     out: Option<PathBuf>,
 }
 
+#[path = "shapes.rs"]
+mod shapes;
+
 fn random_config(shape: &str) -> dspark::Result<Qwen3Config> {
-    let (v, h, i, l, heads, kv, hd) = match shape {
-        "tiny" => (512, 64, 128, 6, 4, 2, 16),
-        "qwen3-8b" => (151_936, 4096, 12_288, 36, 32, 8, 128),
-        other => return Err(dspark::Error::InvalidInput(format!("unknown random shape {other:?}"))),
-    };
-    serde_json::from_value(serde_json::json!({
-        "vocab_size": v, "hidden_size": h, "intermediate_size": i, "num_hidden_layers": l,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-        "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 40960,
-        "tie_word_embeddings": false
-    }))
-    .map_err(|e| dspark::Error::InvalidInput(format!("random config: {e}")))
+    shapes::qwen3(shape).map_err(dspark::Error::InvalidInput)
 }
 
 fn sync(device: &Device) -> dspark::Result<()> {
@@ -157,6 +150,15 @@ fn main() -> dspark::Result<()> {
     };
     let mut draft = match args.draft.as_str() {
         "none" => None,
+        // Random weights at the released draft's shape, bound to the (random) target.
+        "random" => {
+            let shape = args.target.strip_prefix("random:").ok_or_else(|| {
+                dspark::Error::InvalidInput("--draft random needs a random:<shape> target".into())
+            })?;
+            let config = shapes::dspark(shape, target.config());
+            let cache = DraftCacheConfig { kv_budget_bytes: 256 << 20, page_size: 16 };
+            Some(DSparkDraft::random(config, dspark::TargetBinding::of(&target), &cache)?)
+        }
         dir => {
             let cache = DraftCacheConfig { kv_budget_bytes: 256 << 20, page_size: 16 };
             let options = LoadOptions { device: kind, dtype, progress: None };

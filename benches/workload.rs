@@ -44,6 +44,8 @@ mod memory;
 mod report;
 #[path = "workload/setup.rs"]
 mod setup;
+#[path = "shapes.rs"]
+mod shapes;
 #[path = "workload/stats.rs"]
 mod stats;
 

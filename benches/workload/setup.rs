@@ -202,40 +202,6 @@ impl Plan {
     }
 }
 
-fn qwen3_config(shape: &str) -> Result<Qwen3Config, BoxError> {
-    let (v, h, i, l, heads, kv, hd) = match shape {
-        "tiny" => (512, 64, 128, 6, 4, 2, 16),
-        _ => (151_936, 4096, 12_288, 36, 32, 8, 128),
-    };
-    Ok(serde_json::from_value(serde_json::json!({
-        "vocab_size": v, "hidden_size": h, "intermediate_size": i, "num_hidden_layers": l,
-        "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
-        "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 40960,
-        "tie_word_embeddings": false
-    }))?)
-}
-
-/// The released DSpark draft shape for Qwen3-8B (5 layers, block 7, features of layers
-/// 1, 9, 17, 25, 33, vanilla Markov head of rank 256, confidence head reading it), or a small
-/// one for the tiny random target.
-fn draft_config(shape: &str, target: &Qwen3Config) -> DSparkConfig {
-    let tiny = shape == "tiny";
-    let mut base = target.clone();
-    base.num_hidden_layers = if tiny { 2 } else { 5 };
-    let depth = target.num_hidden_layers;
-    DSparkConfig {
-        base,
-        block_size: if tiny { 4 } else { 7 },
-        target_layer_ids: Some(dspark::model::default_target_layer_ids(depth, if tiny { 2 } else { 5 })),
-        mask_token_id: if tiny { 511 } else { 151_669 },
-        markov_rank: if tiny { 8 } else { 256 },
-        markov_head_type: dspark::model::MarkovHeadType::Vanilla,
-        enable_confidence_head: true,
-        confidence_head_with_markov: true,
-        num_target_layers: Some(depth),
-    }
-}
-
 /// First turns of the prompt files, interleaved file by file.
 fn read_turns(args: &Args) -> Result<Vec<String>, BoxError> {
     let mut files = Vec::new();
@@ -284,8 +250,8 @@ fn read_turns(args: &Args) -> Result<Vec<String>, BoxError> {
 pub fn plan(args: &Args) -> Result<Plan, BoxError> {
     let mut notes = Vec::new();
     let (target, draft) = if args.random() {
-        let t = qwen3_config(&args.shape)?;
-        let d = draft_config(&args.shape, &t);
+        let t = crate::shapes::qwen3(&args.shape)?;
+        let d = crate::shapes::dspark(&args.shape, &t);
         notes.push(format!(
             "random weights at {} shapes (target and draft): acceptance, tau and the speedup are meaningless; \
              round costs are real",
