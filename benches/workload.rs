@@ -76,7 +76,14 @@ fn run_child(args: &Args, spec: &str) -> Result<ExitCode, BoxError> {
 
 fn run_parent(args: &Args) -> Result<ExitCode, BoxError> {
     args.validate()?;
-    let plan = setup::plan(args)?;
+    let mut plan = setup::plan(args)?;
+    if args.in_process {
+        plan.notes.push(
+            "run with --in-process: all phases in one process (compiled kernels shared); the peak-memory \
+             columns include earlier phases' pools and are not comparable between modes"
+                .into(),
+        );
+    }
     eprintln!(
         "bench-workload: {} prompts, γ = {}, workloads {:?}, {} + gate phases per mode",
         plan.prompts.len(),
@@ -93,6 +100,12 @@ fn run_parent(args: &Args) -> Result<ExitCode, BoxError> {
     let outcome = (|| -> Result<(), BoxError> {
         for phase in &phases {
             for mode in ["target", "spec"] {
+                if args.in_process {
+                    let result = child::run(args, &plan, &format!("{mode}:{phase}"))?;
+                    let value = serde_json::from_slice(&serde_json::to_vec(&result)?)?;
+                    results.insert((mode.to_string(), phase.clone()), value);
+                    continue;
+                }
                 let out: PathBuf = dir.join(format!("{mode}-{phase}.json"));
                 let status = Command::new(&exe)
                     .args(&forwarded)

@@ -73,7 +73,8 @@ pub struct Args {
     /// Rows per KV page.
     #[arg(long, default_value_t = 16)]
     pub page_size: usize,
-    /// Verify policy: full, fixed:W (rows) or threshold:T.
+    /// Verify policy: full, fixed:W (rows), threshold:T, or throughput:FILE (the throughput
+    /// scheduler on a cost table written by bench-cost-table).
     #[arg(long, default_value = "full")]
     pub verify: String,
     /// `full`: run each workload once untimed before timing it (every CUDA shape compiled);
@@ -108,6 +109,11 @@ pub struct Args {
     /// JSON report.
     #[arg(long)]
     pub out_json: Option<PathBuf>,
+    /// Run every phase in this process instead of one child process each: kernels compiled by
+    /// the first phase serve the others (on CUDA each new process pays NVRTC compilation again).
+    /// Peak-memory readings then include earlier phases' pools and are not comparable.
+    #[arg(long)]
+    pub in_process: bool,
     /// Internal: run one phase (`target:solo`, `spec:gate`, ...) and write its result here.
     #[arg(long, hide = true, requires = "child_out")]
     pub child: Option<String>,
@@ -147,9 +153,25 @@ impl Args {
             VerifyPolicy::Fixed(w.parse().map_err(|_| format!("--verify {v}: bad width"))?)
         } else if let Some(t) = v.strip_prefix("threshold:") {
             VerifyPolicy::Threshold(t.parse().map_err(|_| format!("--verify {v}: bad threshold"))?)
+        } else if v.starts_with("throughput:") {
+            VerifyPolicy::Throughput
         } else {
-            return Err(format!("--verify {v}: expected full, fixed:W or threshold:T").into());
+            return Err(
+                format!("--verify {v}: expected full, fixed:W, threshold:T or throughput:FILE").into()
+            );
         })
+    }
+
+    /// The cost table of `--verify throughput:FILE`.
+    pub fn cost_table(
+        &self,
+    ) -> Result<Option<std::sync::Arc<dspark::engine::schedule::CostTable>>, BoxError> {
+        match self.verify.strip_prefix("throughput:") {
+            Some(file) => {
+                Ok(Some(std::sync::Arc::new(dspark::engine::schedule::CostTable::load(file.as_ref())?)))
+            }
+            None => Ok(None),
+        }
     }
 
     /// Check what the parent can check before starting any child.
@@ -351,12 +373,11 @@ pub fn build_engine(
 ) -> Result<Engine, BoxError> {
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
-    // The update stays when every field is set: the engine is gaining settings.
-    #[allow(clippy::needless_update)]
     let config = EngineConfig {
         kv_budget_bytes: kv,
         page_size: args.page_size,
         verify: args.verify_policy()?,
+        cost_table: args.cost_table()?,
         ..EngineConfig::default()
     };
     let cache = DraftCacheConfig { kv_budget_bytes: draft_kv, page_size: args.page_size };
