@@ -18,7 +18,7 @@
 //! ```
 
 use std::path::PathBuf;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use burn::tensor::Device;
 use clap::Parser;
@@ -98,21 +98,9 @@ fn tokens(n: usize, salt: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i * 7919 + salt * 104_729 + 13) % vocab) as u32).collect()
 }
 
-/// Today's date (UTC) as `YYYY-MM-DD`, from the system clock.
-fn today() -> String {
-    let days = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400) as i64;
-    // civil-from-days over 400-year eras (proleptic Gregorian calendar).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
-}
+#[path = "clock.rs"]
+mod clock;
+use clock::today;
 
 fn parse_draft_ms(pairs: &[String]) -> dspark::Result<Vec<DraftCost>> {
     pairs

@@ -38,6 +38,8 @@ use clap::Parser;
 
 #[path = "workload/child.rs"]
 mod child;
+#[path = "clock.rs"]
+mod clock;
 #[path = "workload/memory.rs"]
 mod memory;
 #[path = "workload/report.rs"]

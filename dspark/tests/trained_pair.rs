@@ -23,6 +23,10 @@ fn target() -> Qwen3 {
 }
 
 fn spec_engine() -> Engine {
+    spec_engine_with(&EngineConfig::default())
+}
+
+fn spec_engine_with(config: &EngineConfig) -> Engine {
     let t = target();
     let d = DSparkDraft::load(
         &models().join("tiny-code-dspark"),
@@ -31,7 +35,7 @@ fn spec_engine() -> Engine {
         &DraftCacheConfig::default(),
     )
     .unwrap();
-    Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap()
+    Engine::with_draft(t, Box::new(d), config).unwrap()
 }
 
 /// The held-out prompts of the shipped run's Rust cross-check, with the simulation's greedy
@@ -53,17 +57,22 @@ fn heldout() -> Vec<(Vec<u32>, Vec<u32>, Vec<usize>)> {
         .collect()
 }
 
-#[test]
-fn greedy_speculative_equals_target_only_and_the_simulation_on_heldout_code_with_a_tau_floor() {
-    let cases = heldout();
-    assert!(cases.len() >= 8);
-    let requests: Vec<Request> = cases
+/// One greedy request per held-out case, as long as the simulation's output.
+fn greedy_requests(cases: &[(Vec<u32>, Vec<u32>, Vec<usize>)]) -> Vec<Request> {
+    cases
         .iter()
         .map(|(prompt, tokens, _)| Request {
             prompt: prompt.clone(),
             params: SamplingParams::greedy(tokens.len()),
         })
-        .collect();
+        .collect()
+}
+
+#[test]
+fn greedy_speculative_equals_target_only_and_the_simulation_on_heldout_code_with_a_tau_floor() {
+    let cases = heldout();
+    assert!(cases.len() >= 8);
+    let requests = greedy_requests(&cases);
     let mut spec = spec_engine();
     let mut plain = Engine::new(target(), &EngineConfig::default()).unwrap();
     let fast = spec.generate(&requests).unwrap();
@@ -90,13 +99,7 @@ fn under_kv_pressure_and_the_throughput_scheduler_output_is_unchanged() {
     // with full-width verification and once with the throughput scheduler on the committed CPU
     // cost table: every output equals the roomy run's, token for token.
     let cases = heldout();
-    let requests: Vec<Request> = cases
-        .iter()
-        .map(|(prompt, tokens, _)| Request {
-            prompt: prompt.clone(),
-            params: SamplingParams::greedy(tokens.len()),
-        })
-        .collect();
+    let requests = greedy_requests(&cases);
     let expected = spec_engine().generate(&requests).unwrap();
     let table = dspark::engine::schedule::CostTable::load(
         &models().join("../benches/results/cost-tables/cpu-tiny-code.json"),
@@ -107,14 +110,6 @@ fn under_kv_pressure_and_the_throughput_scheduler_output_is_unchanged() {
     let need = requests.iter().map(|r| (r.prompt.len() + r.params.max_new_tokens - 1 + window).div_ceil(16));
     let pages = need.max().unwrap() + 3;
     for verify in [dspark::VerifyPolicy::Full, dspark::VerifyPolicy::Throughput] {
-        let t = target();
-        let d = DSparkDraft::load(
-            &models().join("tiny-code-dspark"),
-            &t,
-            LoadOptions::default(),
-            &DraftCacheConfig::default(),
-        )
-        .unwrap();
         let config = EngineConfig {
             kv_budget_bytes: pages * layout.page_bytes(),
             page_size: 16,
@@ -122,7 +117,7 @@ fn under_kv_pressure_and_the_throughput_scheduler_output_is_unchanged() {
             cost_table: Some(std::sync::Arc::new(table.clone())),
             ..EngineConfig::default()
         };
-        let mut e = Engine::with_draft(t, Box::new(d), &config).unwrap();
+        let mut e = spec_engine_with(&config);
         let out = e.generate(&requests).unwrap();
         for (i, (o, x)) in out.iter().zip(&expected).enumerate() {
             assert_eq!(o.tokens, x.tokens, "{verify:?}, prompt {i}");

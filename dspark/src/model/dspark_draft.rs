@@ -126,6 +126,17 @@ pub struct DSparkDraft {
     cache: PagedKvCache,
 }
 
+/// The draft's own weights, before they are bound to the target.
+struct Parts {
+    layer_ids: Vec<usize>,
+    fc: Proj,
+    hidden_norm: Tensor<1>,
+    layers: Vec<DecoderLayer>,
+    norm: Tensor<1>,
+    markov: Option<MarkovHead>,
+    confidence: Option<ConfidenceHead>,
+}
+
 impl DSparkDraft {
     /// Load a draft folder (released or SpecForge layout) for `target`. The draft's own copies
     /// of the embedding and LM head, if present, are ignored: the target's are used.
@@ -216,31 +227,8 @@ impl DSparkDraft {
         } else {
             None
         };
-        let layout = crate::kv_cache::KvLayout {
-            layers: b.num_hidden_layers,
-            kv_heads: b.num_key_value_heads,
-            head_dim: b.head_dim(),
-            dtype,
-            page_size: cache.page_size,
-        };
-        let cache = PagedKvCache::new(layout, cache.kv_budget_bytes, &device)?;
-        let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
-        Ok(Self {
-            layer_ids,
-            dtype,
-            embed_tokens: target.embed_tokens,
-            lm_head: Proj::new(target.lm_head),
-            device,
-            fc,
-            hidden_norm,
-            layers,
-            norm,
-            markov,
-            confidence,
-            rope,
-            cache,
-            config,
-        })
+        let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence };
+        Self::assemble(config, target, parts, cache)
     }
 
     /// A draft with random weights at `config`'s shape, bound to `target` (on its device, in its
@@ -305,6 +293,20 @@ impl DSparkDraft {
         } else {
             None
         };
+        let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence };
+        Self::assemble(config, target, parts, cache)
+    }
+
+    /// Bind loaded or generated weights to the target's embedding and LM head and allocate the
+    /// context cache.
+    fn assemble(
+        config: DSparkConfig,
+        target: TargetBinding,
+        parts: Parts,
+        cache: &DraftCacheConfig,
+    ) -> Result<Self> {
+        let b = &config.base;
+        let (device, dtype) = (target.device, target.dtype);
         let layout = crate::kv_cache::KvLayout {
             layers: b.num_hidden_layers,
             kv_heads: b.num_key_value_heads,
@@ -314,6 +316,7 @@ impl DSparkDraft {
         };
         let cache = PagedKvCache::new(layout, cache.kv_budget_bytes, &device)?;
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
+        let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence } = parts;
         Ok(Self {
             layer_ids,
             dtype,
