@@ -9,6 +9,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+// The request is still queued or running (`finish_reason` of [`dspark_engine_request_tokens`]).
+#define DSPARK_FINISH_NONE_YET -1
+
+// Finished without tokens: `max_new_tokens` was 0.
+#define DSPARK_FINISH_EMPTY 0
+
+// Finished at a stop token (the last token).
+#define DSPARK_FINISH_STOP 1
+
+// Finished at `max_new_tokens`.
+#define DSPARK_FINISH_LENGTH 2
+
+// Stopped by [`dspark_engine_cancel`].
+#define DSPARK_FINISH_CANCELLED 3
+
 // Result of every fallible call.
 typedef enum DsparkStatus {
   // Success.
@@ -341,6 +356,62 @@ enum DsparkStatus dspark_draft_context_len(struct DsparkDraft *draft,
 // # Safety
 // `draft` is a live handle.
 enum DsparkStatus dspark_draft_end(struct DsparkDraft *draft, uint64_t seq);
+
+// Queue a request (the prompt is copied). It starts at a later [`dspark_engine_step`] when it
+// fits the KV budgets; `*out_id` receives its id. A request that could never fit, even alone,
+// is refused with `DSPARK_STATUS_KV_CACHE_FULL`.
+//
+// # Safety
+// `engine` is a live handle; `prompt` points to `prompt_len` ids; `params` is null (defaults)
+// or valid, its stop-token array readable; `out_id` is valid.
+enum DsparkStatus dspark_engine_submit(struct DsparkEngine *engine,
+                                       const uint32_t *prompt,
+                                       size_t prompt_len,
+                                       const struct DsparkSamplingParams *params,
+                                       uint64_t *out_id);
+
+// Run one step: admit queued requests that fit, then one round (a decode step, or draft →
+// verify → accept) over every running request. Each out-pointer may be null; otherwise it
+// receives, after the step, the requests running, the requests waiting, and how many finished
+// in this step. On error every unfinished request is dropped (its KV freed) and reported as
+// cancelled.
+//
+// # Safety
+// `engine` is a live handle; each out-pointer is null or valid.
+enum DsparkStatus dspark_engine_step(struct DsparkEngine *engine,
+                                     size_t *out_running,
+                                     size_t *out_waiting,
+                                     size_t *out_finished);
+
+// A submitted request's tokens so far and its state. Writes the tokens to
+// `out_tokens[0..*out_len]`; when `out_capacity` is too small, returns
+// `DSPARK_STATUS_BUFFER_TOO_SMALL` with the needed length in `*out_len`. `out_finish_reason`
+// (may be null) receives one of the `DSPARK_FINISH_*` codes, `out_stop_token` (may be null) the
+// stop token when the code is `DSPARK_FINISH_STOP`.
+//
+// # Safety
+// `engine` is a live handle; `out_tokens` holds `out_capacity` ids (may be null when
+// `out_capacity` is 0); `out_len` is valid; the other out-pointers are null or valid.
+enum DsparkStatus dspark_engine_request_tokens(struct DsparkEngine *engine,
+                                               uint64_t id,
+                                               uint32_t *out_tokens,
+                                               size_t out_capacity,
+                                               size_t *out_len,
+                                               int32_t *out_finish_reason,
+                                               uint32_t *out_stop_token);
+
+// Stop a submitted, unfinished request now and free its KV at once. Its tokens so far stay
+// readable (finish code `DSPARK_FINISH_CANCELLED`) until [`dspark_engine_release`].
+//
+// # Safety
+// `engine` is a live handle.
+enum DsparkStatus dspark_engine_cancel(struct DsparkEngine *engine, uint64_t id);
+
+// Forget a finished request (its tokens are no longer readable).
+//
+// # Safety
+// `engine` is a live handle.
+enum DsparkStatus dspark_engine_release(struct DsparkEngine *engine, uint64_t id);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -19,7 +19,9 @@ use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
 mod draft;
+mod serving;
 pub use draft::*;
+pub use serving::*;
 
 use dspark::{
     ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, Error, FinishReason,
@@ -81,7 +83,7 @@ fn status_of(error: &Error) -> DsparkStatus {
 }
 
 /// Run `body` behind the panic boundary, turning errors into a status and a message.
-fn guard(body: impl FnOnce() -> Result<(), (DsparkStatus, String)>) -> DsparkStatus {
+pub(crate) fn guard(body: impl FnOnce() -> Result<(), (DsparkStatus, String)>) -> DsparkStatus {
     match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(())) => {
             set_error("");
@@ -103,11 +105,11 @@ fn guard(body: impl FnOnce() -> Result<(), (DsparkStatus, String)>) -> DsparkSta
     }
 }
 
-fn fail(error: Error) -> (DsparkStatus, String) {
+pub(crate) fn fail(error: Error) -> (DsparkStatus, String) {
     (status_of(&error), error.to_string())
 }
 
-fn invalid(message: impl Into<String>) -> (DsparkStatus, String) {
+pub(crate) fn invalid(message: impl Into<String>) -> (DsparkStatus, String) {
     (DsparkStatus::InvalidArgument, message.into())
 }
 
@@ -123,7 +125,11 @@ unsafe fn str_arg<'a>(ptr: *const c_char, what: &str) -> Result<Option<&'a str>,
 
 /// # Safety
 /// `ptr` is null (then `len` must be 0) or points to `len` readable elements.
-unsafe fn slice_arg<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T], (DsparkStatus, String)> {
+pub(crate) unsafe fn slice_arg<'a, T>(
+    ptr: *const T,
+    len: usize,
+    what: &str,
+) -> Result<&'a [T], (DsparkStatus, String)> {
     match (ptr.is_null(), len) {
         (_, 0) => Ok(&[]),
         (true, _) => Err(invalid(format!("{what} is null with length {len}"))),
@@ -136,7 +142,7 @@ unsafe fn slice_arg<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a 
 ///
 /// # Safety
 /// `params` is null or valid, and its stop-token array readable for its length.
-unsafe fn sampling_arg(
+pub(crate) unsafe fn sampling_arg(
     params: *const DsparkSamplingParams,
 ) -> Result<SamplingParams, (DsparkStatus, String)> {
     // SAFETY: params is null or valid.
@@ -215,6 +221,8 @@ pub struct DsparkGenerationStats {
 #[derive(Debug)]
 pub struct DsparkEngine {
     inner: Mutex<Engine>,
+    /// Requests of the serving calls (`dspark_engine_submit` / `_step`), by id.
+    served: Mutex<serving::Served>,
 }
 
 /// Default engine settings: CPU, f32, 1024 MiB of KV, full verify width, no threshold.
@@ -289,7 +297,7 @@ pub unsafe extern "C" fn dspark_engine_create(
             }),
         }
         .map_err(fail)?;
-        let handle = Box::new(DsparkEngine { inner: Mutex::new(engine) });
+        let handle = Box::new(DsparkEngine { inner: Mutex::new(engine), served: Mutex::default() });
         // SAFETY: out is valid (checked non-null above).
         unsafe { *out = Box::into_raw(handle) };
         Ok(())
@@ -310,7 +318,7 @@ pub unsafe extern "C" fn dspark_engine_free(engine: *mut DsparkEngine) {
     }
 }
 
-fn engine_ref<'a>(engine: *mut DsparkEngine) -> Result<&'a DsparkEngine, (DsparkStatus, String)> {
+pub(crate) fn engine_ref<'a>(engine: *mut DsparkEngine) -> Result<&'a DsparkEngine, (DsparkStatus, String)> {
     // SAFETY: the caller of the entry point promises a live handle or null.
     unsafe { engine.as_ref() }.ok_or_else(|| invalid("engine is null"))
 }

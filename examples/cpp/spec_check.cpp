@@ -75,6 +75,43 @@ int main(int argc, char** argv) {
     }
     std::printf("greedy speculative == target-only for all %zu tokens\n", a_len);
 
+    // Serving calls: two requests join the speculative engine a step apart; both must equal the
+    // target-only output for their prompt.
+    {
+        const std::vector<uint32_t> second = {220, 79, 107, 117, 73};
+        std::vector<uint32_t> second_ref(sampling.max_new_tokens);
+        size_t second_len = 0;
+        if (!check(dspark_engine_generate(plain.handle, second.data(), second.size(), &sampling, second_ref.data(),
+                                          second_ref.size(), &second_len, nullptr),
+                   "generate target-only (second prompt)"))
+            return 1;
+        second_ref.resize(second_len);
+        uint64_t ids[2] = {0, 0};
+        size_t running = 0, waiting = 0;
+        if (!check(dspark_engine_submit(spec.handle, prompt.data(), prompt.size(), &sampling, &ids[0]), "submit")) return 1;
+        if (!check(dspark_engine_step(spec.handle, &running, &waiting, nullptr), "step")) return 1;
+        if (!check(dspark_engine_submit(spec.handle, second.data(), second.size(), &sampling, &ids[1]), "submit")) return 1;
+        do {
+            if (!check(dspark_engine_step(spec.handle, &running, &waiting, nullptr), "step")) return 1;
+        } while (running + waiting > 0);
+        const std::vector<uint32_t>* refs[2] = {&a, &second_ref};
+        for (int i = 0; i < 2; ++i) {
+            std::vector<uint32_t> got(64);
+            size_t len = 0;
+            int32_t finish = DSPARK_FINISH_NONE_YET;
+            if (!check(dspark_engine_request_tokens(spec.handle, ids[i], got.data(), got.size(), &len, &finish, nullptr),
+                       "request_tokens"))
+                return 1;
+            got.resize(len);
+            if (got != *refs[i] || finish != DSPARK_FINISH_LENGTH) {
+                std::fprintf(stderr, "MISMATCH in served request %d\n", i);
+                return 1;
+            }
+            if (!check(dspark_engine_release(spec.handle, ids[i]), "release")) return 1;
+        }
+        std::printf("served: 2 requests joined a step apart, both == target-only\n");
+    }
+
     // Scoring, and errors that must come back as statuses with a message.
     std::vector<float> logprobs(prompt.size() - 1);
     if (!check(dspark_engine_score(plain.handle, prompt.data(), prompt.size(), logprobs.data(), logprobs.size()),
