@@ -368,7 +368,8 @@ class Engine:
             InvalidInputError: an empty prompt, text without a tokenizer, mismatched params.
             TokenOutOfRangeError: a token id outside the vocabulary.
             InvalidSamplingError: out-of-range sampling parameters.
-            KvCacheFullError: the requests do not fit the KV budget.
+            KvCacheFullError: a request could never fit the KV budget, even alone (requests
+                that fit alone but not together wait for room).
             TextError: tokenization or the chat template failed.
         """
     @overload
