@@ -2,10 +2,11 @@
 //! folder. Every call releases the GIL while it works; calls on one engine are serialised by a
 //! lock (a running `stream` holds it until its generation ends).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use dspark::text::{ChatMessage, ChatOptions, Tokenizer};
+use dspark::text::{ChatMessage, ChatOptions, StreamDecoder, Tokenizer};
 use dspark::{
     ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, EngineConfig, Error, LoadOptions, Qwen3,
     Request, VerifyPolicy,
@@ -14,7 +15,7 @@ use pyo3::prelude::*;
 
 use crate::errors::{Failure, Kind, guarded, lock, new_err};
 use crate::prompts::{Prompt, messages, parse_params, parse_prompt, parse_prompts, token_ids};
-use crate::results::{BatchStats, Generation, finish_fields};
+use crate::results::{BatchStats, Generation, StreamChunk, finish_fields};
 use crate::stream::TokenStream;
 
 /// Run `body` with the GIL released and panics caught; raise its failure as a Python exception.
@@ -64,6 +65,18 @@ pub struct Engine {
     device: DeviceKind,
     dtype: ComputeDtype,
     speculative: bool,
+    /// Requests of the serving calls (`submit` / `step`), by id, with their text decoders.
+    served: Mutex<HashMap<u64, Served>>,
+}
+
+/// What `Engine.step` returns: the step's chunks, and the requests that finished in it.
+type StepResult = (Vec<StreamChunk>, Vec<(u64, Generation)>);
+
+/// A request submitted with `Engine.submit`.
+#[derive(Debug)]
+struct Served {
+    request: Request,
+    decoder: Option<StreamDecoder>,
 }
 
 /// The prepared requests of a call: token ids and Rust sampling parameters.
@@ -240,6 +253,7 @@ impl Engine {
                 eos,
                 device,
                 dtype,
+                served: Mutex::new(HashMap::new()),
             })
         })
     }
@@ -334,6 +348,112 @@ impl Engine {
         run(py, || {
             let ids = self.prompt_ids(prompt, None)?;
             Ok(lock(&self.inner)?.score(&ids)?)
+        })
+    }
+
+    /// Queue one request for the serving calls; it starts at a later `step` when it fits the KV
+    /// budgets. Returns its id.
+    ///
+    /// Args:
+    ///     prompt: one prompt, as for `generate`.
+    ///     params: a `SamplingParams`, or `None` for the defaults.
+    ///     enable_thinking: as for `generate`.
+    ///
+    /// Raises:
+    ///     InvalidInputError, TokenOutOfRangeError, InvalidSamplingError, TextError: as for
+    ///         `generate`.
+    ///     KvCacheFullError: the request could never fit the KV budget, even alone.
+    #[pyo3(signature = (prompt, params=None, *, enable_thinking=None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        prompt: &Bound<'_, PyAny>,
+        params: Option<&Bound<'_, PyAny>>,
+        enable_thinking: Option<bool>,
+    ) -> PyResult<u64> {
+        let (mut requests, single) = self.requests(py, prompt, params, enable_thinking)?;
+        if !single || requests.len() != 1 {
+            return Err(new_err(py, Kind::InvalidInput, "submit takes one prompt", &[]));
+        }
+        let request = requests.remove(0);
+        run(py, || {
+            let id = lock(&self.inner)?.submit(request.clone())?;
+            let decoder = self.tokenizer.as_ref().map(|t| t.stream_decoder(true));
+            lock(&self.served)?.insert(id, Served { request, decoder });
+            Ok(id)
+        })
+    }
+
+    /// One serving step: admit queued requests that fit the KV budgets, then run one round (a
+    /// decode step, or draft → verify → accept) over every running request. Requests join and
+    /// leave between steps; under KV pressure the engine preempts and later resumes requests
+    /// without changing their output.
+    ///
+    /// Returns:
+    ///     `(chunks, finished)`: the `StreamChunk`s of this step (their `request` is the id from
+    ///     `submit`), and `(id, Generation)` for every request that finished in it.
+    ///
+    /// Raises:
+    ///     BackendError: a device failure; every unfinished request is then dropped.
+    fn step(&self, py: Python<'_>) -> PyResult<StepResult> {
+        run(py, || {
+            let out = lock(&self.inner)?.step()?;
+            let mut served = lock(&self.served)?;
+            let mut chunks = Vec::with_capacity(out.events.len());
+            for ev in out.events {
+                let Some(s) = served.get_mut(&ev.id) else { continue };
+                let text = match s.decoder.as_mut() {
+                    Some(d) => {
+                        let mut text = d.extend(&ev.tokens)?;
+                        if ev.finish.is_some() {
+                            text.extend(d.flush()?);
+                        }
+                        Some(text)
+                    }
+                    None => None,
+                };
+                let (finish_reason, stop_token_id) = finish_fields(ev.finish);
+                chunks.push(StreamChunk {
+                    request: ev.id as usize,
+                    token_ids: ev.tokens,
+                    text,
+                    finish_reason,
+                    stop_token_id,
+                });
+            }
+            let mut finished = Vec::with_capacity(out.finished.len());
+            for (id, g) in out.finished {
+                if let Some(s) = served.remove(&id) {
+                    finished.push((id, generation(self.tokenizer.as_ref(), &s.request, g)?));
+                }
+            }
+            Ok((chunks, finished))
+        })
+    }
+
+    /// Stop a submitted request now, freeing its KV at once.
+    ///
+    /// Returns:
+    ///     Its `Generation` so far, with `finish_reason` `"cancelled"`.
+    ///
+    /// Raises:
+    ///     InvalidInputError: no unfinished submitted request has this id.
+    fn cancel(&self, py: Python<'_>, id: u64) -> PyResult<Generation> {
+        run(py, || {
+            let g = lock(&self.inner)?.cancel(id)?;
+            let s = lock(&self.served)?.remove(&id);
+            match s {
+                Some(s) => generation(self.tokenizer.as_ref(), &s.request, g),
+                None => Err(Error::InvalidInput(format!("request {id} was not submitted here")).into()),
+            }
+        })
+    }
+
+    /// Requests running now (holding KV), and waiting for admission: `(running, waiting)`.
+    fn pending(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        run(py, || {
+            let e = lock(&self.inner)?;
+            Ok((e.num_running(), e.num_waiting()))
         })
     }
 

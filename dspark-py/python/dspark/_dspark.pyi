@@ -1,7 +1,7 @@
 """Type stubs of the native module ``dspark._dspark`` (re-exported by ``dspark``)."""
 
 import os
-from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Union, overload
+from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, overload
 
 __version__: str
 
@@ -414,6 +414,40 @@ class Engine:
             TokenOutOfRangeError: a token id outside the vocabulary.
             KvCacheFullError: the sequence does not fit the KV budget.
         """
+    def submit(
+        self,
+        prompt: Prompt,
+        params: Optional[SamplingParams] = None,
+        *,
+        enable_thinking: Optional[bool] = None,
+    ) -> int:
+        """Queue one request for the serving calls; it starts at a later ``step`` when it fits
+        the KV budgets. Returns its id.
+
+        Raises:
+            InvalidInputError, TokenOutOfRangeError, InvalidSamplingError, TextError: as for
+                ``generate``.
+            KvCacheFullError: the request could never fit the KV budget, even alone.
+        """
+    def step(self) -> Tuple[List[StreamChunk], List[Tuple[int, Generation]]]:
+        """One serving step: admit queued requests that fit the KV budgets, then run one round
+        (a decode step, or draft → verify → accept) over every running request. Requests join
+        and leave between steps; under KV pressure the engine preempts and later resumes
+        requests without changing their output.
+
+        Returns:
+            ``(chunks, finished)``: the ``StreamChunk``s of this step (their ``request`` is the
+            id from ``submit``), and ``(id, Generation)`` for every request that finished in it.
+        """
+    def cancel(self, id: int) -> Generation:
+        """Stop a submitted request now, freeing its KV at once; returns its ``Generation`` so
+        far, with ``finish_reason`` ``"cancelled"``.
+
+        Raises:
+            InvalidInputError: no unfinished submitted request has this id.
+        """
+    def pending(self) -> Tuple[int, int]:
+        """Requests running now (holding KV) and waiting for admission: ``(running, waiting)``."""
     def encode(self, text: str) -> List[int]:
         """Token ids of ``text`` (no special tokens added; special tokens written in the text,
         such as ``<|im_start|>``, become their ids).
