@@ -120,6 +120,30 @@ impl Checkpoint {
         self.index.get(name).and_then(|&i| self.shards[i].tensors.get(name)).map(|(_, s, _)| s.clone())
     }
 
+    /// Stored element type of tensor `name`, when present.
+    pub fn dtype(&self, name: &str) -> Option<Dtype> {
+        self.index.get(name).and_then(|&i| self.shards[i].tensors.get(name)).map(|(d, _, _)| *d)
+    }
+
+    /// The checkpoint folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Tensor `name` as stored: dtype, shape, little-endian bytes and the file holding it.
+    ///
+    /// # Errors
+    /// [`Error::MissingTensor`] when absent.
+    pub(crate) fn raw(&self, name: &str) -> Result<RawTensor<'_>> {
+        let shard = self
+            .index
+            .get(name)
+            .map(|&i| &self.shards[i])
+            .ok_or_else(|| Error::MissingTensor { dir: self.dir.clone(), tensor: name.to_owned() })?;
+        let (dtype, shape, range) = &shard.tensors[name];
+        Ok(RawTensor { dtype: *dtype, shape, bytes: &shard.map[range.clone()], path: &shard.path })
+    }
+
     /// Total bytes of tensor data in the checkpoint.
     pub fn total_bytes(&self) -> u64 {
         self.shards.iter().flat_map(|s| s.tensors.values()).map(|(_, _, r)| r.len() as u64).sum()
@@ -191,6 +215,33 @@ impl Checkpoint {
         })?;
         Ok(TensorData::from_bytes_vec(values, shape.to_vec(), dtype.dtype()))
     }
+}
+
+/// One tensor as stored in a checkpoint (see [`Checkpoint::raw`]).
+pub(crate) struct RawTensor<'a> {
+    /// Stored element type.
+    pub dtype: Dtype,
+    /// Stored shape.
+    pub shape: &'a [usize],
+    /// Little-endian element bytes.
+    pub bytes: &'a [u8],
+    /// The file holding the tensor.
+    pub path: &'a Path,
+}
+
+/// A tensor on `device` in `dtype` from host f32 values in row-major `shape`.
+pub(crate) fn host_f32_tensor<const D: usize>(
+    values: &[f32],
+    shape: [usize; D],
+    dtype: ComputeDtype,
+    device: &Device,
+) -> Tensor<D> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    // f32 is always convertible to a compute dtype.
+    let bytes = convert(&bytes, Dtype::F32, dtype).unwrap_or_default();
+    let data = TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype.dtype());
+    let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+    Tensor::from_data(data, options)
 }
 
 /// Convert little-endian `bytes` of `src` to the little-endian bytes of `dst`.

@@ -7,6 +7,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
+use super::fp8::{DraftQuant, Fp8Counts, load_projection};
 use super::layer::{BlockLane, DecoderLayer, LayerShape, Proj};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::qwen3::{LoadOptions, Qwen3};
@@ -124,6 +125,7 @@ pub struct DSparkDraft {
     confidence: Option<ConfidenceHead>,
     rope: Rope,
     cache: PagedKvCache,
+    fp8: Fp8Counts,
 }
 
 /// The draft's own weights, before they are bound to the target.
@@ -135,16 +137,21 @@ struct Parts {
     norm: Tensor<1>,
     markov: Option<MarkovHead>,
     confidence: Option<ConfidenceHead>,
+    fp8: Fp8Counts,
 }
 
 impl DSparkDraft {
     /// Load a draft folder (released or SpecForge layout) for `target`. The draft's own copies
-    /// of the embedding and LM head, if present, are ignored: the target's are used.
+    /// of the embedding and LM head, if present, are ignored: the target's are used. Projections
+    /// stored in FP8 (`F8_E4M3` with block or per-channel scales) are dequantised to the compute
+    /// dtype at load (see [`super::fp8`]).
     ///
     /// # Errors
     /// [`Error::Config`] when the draft does not fit the target (hidden size, vocabulary, feature
     /// layers out of range or including the last layer, mask id outside the vocabulary), raised
-    /// before any compute; missing tensors or wrong shapes, naming tensor and file.
+    /// before any compute; missing tensors or wrong shapes, naming tensor and file; FP8 weights
+    /// without a scale, with a scale of an unsupported shape or in an unsupported FP8 dtype, as
+    /// [`super::fp8::read_matrix`] describes.
     pub fn load(
         dir: &Path,
         target: &Qwen3,
@@ -165,6 +172,48 @@ impl DSparkDraft {
         progress: Option<crate::weights::ProgressFn<'_>>,
         cache: &DraftCacheConfig,
     ) -> Result<Self> {
+        Self::load_impl(dir, target, progress, cache, None)
+    }
+
+    /// As [`DSparkDraft::load`], with the projection weights (each layer's q/k/v/o and
+    /// gate/up/down, and `fc`) quantised at load as `quant` says, then dequantised to the compute
+    /// dtype: the draft computes, and samples from, exactly the quantised model. Projections the
+    /// checkpoint already stores in FP8 are used as stored. See [`super::fp8`].
+    ///
+    /// # Errors
+    /// As [`DSparkDraft::load`]; [`Error::InvalidInput`] naming the tensor when a weight to
+    /// quantise holds a non-finite value.
+    pub fn load_quantized(
+        dir: &Path,
+        target: &Qwen3,
+        options: LoadOptions<'_>,
+        cache: &DraftCacheConfig,
+        quant: DraftQuant,
+    ) -> Result<Self> {
+        Self::load_impl(dir, TargetBinding::of(target), options.progress, cache, Some(quant))
+    }
+
+    /// As [`DSparkDraft::load_bound`], quantising as [`DSparkDraft::load_quantized`] does.
+    ///
+    /// # Errors
+    /// As [`DSparkDraft::load_quantized`].
+    pub fn load_bound_quantized(
+        dir: &Path,
+        target: TargetBinding,
+        progress: Option<crate::weights::ProgressFn<'_>>,
+        cache: &DraftCacheConfig,
+        quant: DraftQuant,
+    ) -> Result<Self> {
+        Self::load_impl(dir, target, progress, cache, Some(quant))
+    }
+
+    fn load_impl(
+        dir: &Path,
+        target: TargetBinding,
+        progress: Option<crate::weights::ProgressFn<'_>>,
+        cache: &DraftCacheConfig,
+        quant: Option<DraftQuant>,
+    ) -> Result<Self> {
         let config = DSparkConfig::from_dir(dir)?;
         let path = dir.join("config.json");
         let ckpt = Checkpoint::open(dir)?;
@@ -183,12 +232,33 @@ impl DSparkDraft {
         };
         tracing::info!(dir = %dir.display(), block_size = config.block_size, ?layer_ids, "loading DSpark draft");
         let report = ckpt.reporter(progress);
-        let fc = Proj::new(ckpt.load("fc.weight", [h, layer_ids.len() * h], dtype, &device)?);
+        let mut fp8 = Fp8Counts::default();
+        let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Tensor<2>> {
+            let (weight, layout) = load_projection(&ckpt, name, dims, dtype, &device, quant)?;
+            fp8.add(layout);
+            for scale in ["_scale_inv", "_scale"] {
+                report(&format!("{name}{scale}"));
+            }
+            Ok(weight)
+        };
+        let fc = Proj::new(matrix("fc.weight", [h, layer_ids.len() * h])?);
         let hidden_norm = ckpt.load("hidden_norm.weight", [h], dtype, &device)?;
         let norm = ckpt.load("norm.weight", [h], dtype, &device)?;
         let mut layers = Vec::with_capacity(b.num_hidden_layers);
         for i in 0..b.num_hidden_layers {
-            layers.push(DecoderLayer::load(&ckpt, &format!("layers.{i}."), shape, dtype, &device, &report)?);
+            let prefix = format!("layers.{i}.");
+            layers.push(DecoderLayer::load_with(
+                &ckpt,
+                &prefix,
+                shape,
+                dtype,
+                &device,
+                &report,
+                &mut matrix,
+            )?);
+        }
+        if fp8.total() > 0 {
+            tracing::info!(?fp8, ?quant, "draft projections in FP8 (e4m3), dequantised to {dtype}");
         }
         let host = |name: &str, dims: &[usize]| -> Result<Vec<f32>> {
             let data = ckpt.read(name, dims, ComputeDtype::F32)?;
@@ -227,7 +297,7 @@ impl DSparkDraft {
         } else {
             None
         };
-        let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence };
+        let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 };
         Self::assemble(config, target, parts, cache)
     }
 
@@ -293,7 +363,8 @@ impl DSparkDraft {
         } else {
             None
         };
-        let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence };
+        let parts =
+            Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8: Fp8Counts::default() };
         Self::assemble(config, target, parts, cache)
     }
 
@@ -316,7 +387,7 @@ impl DSparkDraft {
         };
         let cache = PagedKvCache::new(layout, cache.kv_budget_bytes, &device)?;
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
-        let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence } = parts;
+        let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 } = parts;
         Ok(Self {
             layer_ids,
             dtype,
@@ -332,7 +403,13 @@ impl DSparkDraft {
             rope,
             cache,
             config,
+            fp8,
         })
+    }
+
+    /// How many of the draft's projections are FP8 (stored or quantised at load), by layout.
+    pub fn fp8_weights(&self) -> Fp8Counts {
+        self.fp8
     }
 
     /// The draft's configuration.

@@ -141,12 +141,27 @@ impl DecoderLayer {
         shape: LayerShape,
         dtype: ComputeDtype,
         device: &Device,
+        loaded: impl FnMut(&str),
+    ) -> Result<Self> {
+        let matrix = |name: &str, dims: [usize; 2]| ckpt.load(name, dims, dtype, device);
+        Self::load_with(ckpt, prefix, shape, dtype, device, loaded, matrix)
+    }
+
+    /// As [`DecoderLayer::load`], with the seven projection weights read by `load_matrix`
+    /// (full tensor name, `[out, in]`), e.g. to dequantise FP8 weights.
+    pub(crate) fn load_with(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        shape: LayerShape,
+        dtype: ComputeDtype,
+        device: &Device,
         mut loaded: impl FnMut(&str),
+        mut load_matrix: impl FnMut(&str, [usize; 2]) -> Result<Tensor<2>>,
     ) -> Result<Self> {
         let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
         let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Tensor<2>> {
             let full = format!("{prefix}{name}");
-            let t = ckpt.load(&full, dims, dtype, device)?;
+            let t = load_matrix(&full, dims)?;
             loaded(&full);
             Ok(t)
         };

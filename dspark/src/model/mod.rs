@@ -3,6 +3,7 @@
 mod cpu_gemm;
 mod draft_config;
 mod dspark_draft;
+pub mod fp8;
 mod layer;
 mod markov;
 mod qwen3;

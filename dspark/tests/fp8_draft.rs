@@ -1,0 +1,452 @@
+//! FP8 (e4m3) drafts on the CPU reference path: FP8 checkpoints (128×128 block scales and
+//! per-channel scales) written here from the golden tiny draft load to exactly the weights this
+//! test computes; a draft quantised at load really is quantised; greedy output with an FP8 draft
+//! equals target-only output and sampled output keeps the target's distribution; malformed FP8
+//! checkpoints are refused naming the tensor; τ of the trained pair, FP8 vs as shipped.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use burn::tensor::Tensor;
+use common::*;
+use safetensors::{Dtype, tensor::TensorView};
+
+use dspark::model::fp8::{self, DraftQuant, Fp8Counts};
+use dspark::weights::Checkpoint;
+use dspark::{
+    DSparkDraft, DraftCacheConfig, Engine, EngineConfig, Error, LoadOptions, Qwen3, Request, SamplingParams,
+    Speculator,
+};
+
+/// The value of an e4m3fn byte from the format's definition (independent of the library's
+/// bit-level decoder).
+fn e4m3(byte: u8) -> f32 {
+    let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
+    let e = i32::from((byte >> 3) & 0xF);
+    let m = f64::from(byte & 7);
+    assert!(!(e == 15 && m == 7.0), "NaN byte");
+    let v = if e == 0 { m / 8.0 * 2f64.powi(-6) } else { (1.0 + m / 8.0) * 2f64.powi(e - 7) };
+    (sign * v) as f32
+}
+
+/// A tensor as (dtype, shape, bytes).
+type Stored = (Dtype, Vec<usize>, Vec<u8>);
+
+fn read_all(path: &Path) -> BTreeMap<String, Stored> {
+    let bytes = std::fs::read(path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec()))).collect()
+}
+
+fn write_all(path: &Path, tensors: &BTreeMap<String, Stored>) {
+    let views = tensors.iter().map(|(n, (d, s, b))| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()));
+    std::fs::write(path, safetensors::serialize(views, None).unwrap()).unwrap();
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+}
+
+fn bytes_of(values: &[f32]) -> Vec<u8> {
+    values.iter().flat_map(|v| v.to_le_bytes()).collect()
+}
+
+/// The draft's projection weights: `fc` and each layer's seven.
+fn projections(tensors: &BTreeMap<String, Stored>) -> Vec<String> {
+    let suffixes = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+    tensors
+        .keys()
+        .filter(|n| *n == "fc.weight" || suffixes.iter().any(|s| n.ends_with(&format!("{s}.weight"))))
+        .cloned()
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Layout {
+    Blocks,
+    PerChannel,
+}
+
+/// Quantise `[rows, cols]` with the layout's scales (scale = max|group| / 448). Returns the
+/// bytes, the scale tensor (shape, values) and the dequantised weight the loader must produce.
+fn quantise(
+    w: &[f32],
+    rows: usize,
+    cols: usize,
+    layout: Layout,
+) -> (Vec<u8>, Vec<usize>, Vec<f32>, Vec<f32>) {
+    let (br, bc) = match layout {
+        Layout::Blocks => (128, 128),
+        Layout::PerChannel => (1, cols),
+    };
+    let (gr, gc) = (rows.div_ceil(br), cols.div_ceil(bc));
+    let mut scales = vec![0.0f32; gr * gc];
+    for r in 0..rows {
+        for c in 0..cols {
+            let s = &mut scales[(r / br) * gc + c / bc];
+            *s = s.max(w[r * cols + c].abs() / 448.0);
+        }
+    }
+    for s in &mut scales {
+        if *s == 0.0 {
+            *s = 1.0;
+        }
+    }
+    let scale_of = |r: usize, c: usize| scales[(r / br) * gc + c / bc];
+    let mut bytes = Vec::with_capacity(w.len());
+    let mut deq = Vec::with_capacity(w.len());
+    for r in 0..rows {
+        for c in 0..cols {
+            let b = fp8::f32_to_e4m3(w[r * cols + c] / scale_of(r, c));
+            bytes.push(b);
+            deq.push(e4m3(b) * scale_of(r, c));
+        }
+    }
+    let shape = match layout {
+        Layout::Blocks => vec![gr, gc],
+        Layout::PerChannel => vec![rows, 1],
+    };
+    (bytes, shape, scales, deq)
+}
+
+/// A copy of the tiny golden draft with its projections stored in FP8 (`layout`), and a copy
+/// with the dequantised weights stored in f32; plus the dequantised weights by name.
+fn fp8_checkpoint(layout: Layout) -> (tempfile::TempDir, tempfile::TempDir, BTreeMap<String, Vec<f32>>) {
+    let fp8_dir = copy_model("tiny-dspark");
+    let ref_dir = copy_model("tiny-dspark");
+    let file = fp8_dir.path().join("model.safetensors");
+    let mut tensors = read_all(&file);
+    let mut reference = tensors.clone();
+    let mut expected = BTreeMap::new();
+    for name in projections(&tensors) {
+        let (dtype, shape, bytes) = tensors[&name].clone();
+        assert_eq!(dtype, Dtype::F32);
+        let (bytes, scale_shape, scales, deq) = quantise(&f32s(&bytes), shape[0], shape[1], layout);
+        tensors.insert(name.clone(), (Dtype::F8_E4M3, shape.clone(), bytes));
+        let scale_name = match layout {
+            Layout::Blocks => format!("{name}_scale_inv"),
+            Layout::PerChannel => format!("{name}_scale"),
+        };
+        tensors.insert(scale_name, (Dtype::F32, scale_shape, bytes_of(&scales)));
+        reference.insert(name.clone(), (Dtype::F32, shape, bytes_of(&deq)));
+        expected.insert(name, deq);
+    }
+    assert_eq!(expected.len(), 15);
+    write_all(&file, &tensors);
+    write_all(&ref_dir.path().join("model.safetensors"), &reference);
+    (fp8_dir, ref_dir, expected)
+}
+
+fn target() -> Qwen3 {
+    Qwen3::load(&golden().join("tiny-qwen3"), LoadOptions::default()).unwrap()
+}
+
+fn load(dir: &Path, target: &Qwen3) -> dspark::Result<DSparkDraft> {
+    DSparkDraft::load(dir, target, LoadOptions::default(), &DraftCacheConfig::default())
+}
+
+fn quantised(dir: &Path, target: &Qwen3) -> DSparkDraft {
+    DSparkDraft::load_quantized(
+        dir,
+        target,
+        LoadOptions::default(),
+        &DraftCacheConfig::default(),
+        DraftQuant::Fp8PerChannel,
+    )
+    .unwrap()
+}
+
+/// The draft's block forward (hidden and base logits, f32) on fixed features.
+fn block_outputs(draft: &mut DSparkDraft, target: &Qwen3) -> (Vec<f32>, Vec<f32>) {
+    let seq = draft.begin();
+    let width = draft.layer_ids().len() * 64;
+    let values: Vec<f32> = (0..7 * width).map(|i| (i as f32 * 0.37).sin()).collect();
+    let features = Tensor::<2>::from_data(burn::tensor::TensorData::new(values, [7, width]), target.device());
+    draft.extend_context(seq, features).unwrap();
+    let (h, l) = draft.block_forward(&[(seq, 11)]).unwrap();
+    draft.end(seq).unwrap();
+    (h.into_data().try_to_vec::<f32>().unwrap(), l.into_data().try_to_vec::<f32>().unwrap())
+}
+
+#[test]
+fn fp8_checkpoints_load_to_the_weights_the_test_computed() {
+    let t = target();
+    for layout in [Layout::Blocks, Layout::PerChannel] {
+        let (fp8_dir, ref_dir, expected) = fp8_checkpoint(layout);
+        let ckpt = Checkpoint::open(fp8_dir.path()).unwrap();
+        for (name, want) in &expected {
+            let shape = ckpt.shape(name).unwrap();
+            let (got, how) = fp8::read_matrix(&ckpt, name, [shape[0], shape[1]]).unwrap();
+            assert_eq!(&got, want, "{layout:?} {name}");
+            let want_how = if layout == Layout::Blocks {
+                fp8::Fp8Layout::BlockScaled
+            } else {
+                fp8::Fp8Layout::PerChannel
+            };
+            assert_eq!(how, Some(want_how));
+        }
+        // The loaded draft computes exactly what a draft with the dequantised f32 weights does.
+        let mut draft = load(fp8_dir.path(), &t).unwrap();
+        let counts = draft.fp8_weights();
+        assert_eq!(counts.total(), 15, "{counts:?}");
+        assert_eq!(counts.block_scaled, if layout == Layout::Blocks { 15 } else { 0 });
+        let mut reference = load(ref_dir.path(), &t).unwrap();
+        assert_eq!(reference.fp8_weights(), Fp8Counts::default());
+        assert_eq!(block_outputs(&mut draft, &t), block_outputs(&mut reference, &t), "{layout:?}");
+        // And not what the original draft does.
+        let mut original = load(&golden().join("tiny-dspark"), &t).unwrap();
+        assert_ne!(block_outputs(&mut draft, &t).1, block_outputs(&mut original, &t).1);
+    }
+}
+
+#[test]
+fn a_multi_block_fp8_tensor_uses_each_blocks_scale() {
+    // 200 × 300: 2 × 3 blocks, ragged at both edges; scales stored in bf16.
+    let (rows, cols) = (200, 300);
+    let w: Vec<f32> =
+        (0..rows * cols).map(|i| ((i as f32 * 0.013).cos() * (1 + i % 7) as f32) * 0.1).collect();
+    let (bytes, scale_shape, scales, _) = quantise(&w, rows, cols, Layout::Blocks);
+    assert_eq!(scale_shape, [2, 3]);
+    let scales_bf16: Vec<half::bf16> = scales.iter().map(|&s| half::bf16::from_f32(s)).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let mut tensors = BTreeMap::new();
+    tensors.insert("p.weight".to_string(), (Dtype::F8_E4M3, vec![rows, cols], bytes.clone()));
+    let sb: Vec<u8> = scales_bf16.iter().flat_map(|s| s.to_le_bytes()).collect();
+    tensors.insert("p.weight_scale".to_string(), (Dtype::BF16, scale_shape, sb));
+    write_all(&dir.path().join("model.safetensors"), &tensors);
+    let ckpt = Checkpoint::open(dir.path()).unwrap();
+    let (got, _) = fp8::read_matrix(&ckpt, "p.weight", [rows, cols]).unwrap();
+    for r in 0..rows {
+        for c in 0..cols {
+            let s = scales_bf16[(r / 128) * 3 + c / 128].to_f32();
+            assert_eq!(got[r * cols + c], e4m3(bytes[r * cols + c]) * s, "({r}, {c})");
+        }
+    }
+}
+
+#[test]
+fn a_draft_quantised_at_load_is_quantised_per_channel() {
+    let t = target();
+    let dir = golden().join("tiny-dspark");
+    let mut q = quantised(&dir, &t);
+    assert_eq!(q.fp8_weights(), Fp8Counts { quantized_at_load: 15, ..Fp8Counts::default() });
+    // Exactly the per-channel quantisation this test computes.
+    let ref_dir = copy_model("tiny-dspark");
+    let file = ref_dir.path().join("model.safetensors");
+    let mut tensors = read_all(&file);
+    for name in projections(&tensors) {
+        let (_, shape, bytes) = tensors[&name].clone();
+        let (_, _, _, deq) = quantise(&f32s(&bytes), shape[0], shape[1], Layout::PerChannel);
+        tensors.insert(name, (Dtype::F32, shape, bytes_of(&deq)));
+    }
+    write_all(&file, &tensors);
+    let mut reference = load(ref_dir.path(), &t).unwrap();
+    let mut plain = load(&dir, &t).unwrap();
+    let (qh, ql) = block_outputs(&mut q, &t);
+    assert_eq!((qh.clone(), ql.clone()), block_outputs(&mut reference, &t));
+    let (_, pl) = block_outputs(&mut plain, &t);
+    assert_ne!(ql, pl, "quantisation changed nothing");
+    let diff = max_abs_diff(&ql, &pl);
+    let scale = pl.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    eprintln!("quantised vs f32 draft: max |Δ base logit| {diff:.4} (max |logit| {scale:.2})");
+    assert!(diff < 0.2 * scale, "quantisation error unexpectedly large: {diff} of {scale}");
+}
+
+fn greedy_requests(n: usize) -> Vec<Request> {
+    prompts().into_iter().map(|prompt| Request { prompt, params: SamplingParams::greedy(n) }).collect()
+}
+
+#[test]
+fn greedy_output_with_an_fp8_draft_equals_target_only_output() {
+    let mut plain = Engine::new(target(), &EngineConfig::default()).unwrap();
+    let reference = plain.generate(&greedy_requests(40)).unwrap();
+    let (blocks, _, _) = fp8_checkpoint(Layout::Blocks);
+    let (channels, _, _) = fp8_checkpoint(Layout::PerChannel);
+    for what in ["blocks", "per-channel", "quantised at load"] {
+        let t = target();
+        let d = match what {
+            "blocks" => load(blocks.path(), &t).unwrap(),
+            "per-channel" => load(channels.path(), &t).unwrap(),
+            _ => quantised(&golden().join("tiny-dspark"), &t),
+        };
+        assert_eq!(d.fp8_weights().total(), 15);
+        let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+        let out = e.generate(&greedy_requests(40)).unwrap();
+        let (mut drafted, mut accepted) = (0, 0);
+        for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
+            assert_eq!(o.tokens, r.tokens, "{what}: prompt {i}");
+            drafted += o.stats.drafted;
+            accepted += o.stats.accepted;
+        }
+        eprintln!("{what}: {accepted} of {drafted} drafts accepted");
+        assert!(drafted > 0);
+    }
+}
+
+fn second_token_counts(engine: &mut Engine, prompt: &[u32], params: &SamplingParams, n: u64) -> Vec<usize> {
+    let mut counts = vec![0; 512];
+    let seeds: Vec<u64> = (0..n).collect();
+    for batch in seeds.chunks(250) {
+        let requests: Vec<Request> = batch
+            .iter()
+            .map(|&seed| Request {
+                prompt: prompt.to_vec(),
+                params: SamplingParams { seed, max_new_tokens: 2, ..params.clone() },
+            })
+            .collect();
+        for g in engine.generate(&requests).unwrap() {
+            counts[g.tokens[1] as usize] += 1;
+        }
+    }
+    counts
+}
+
+#[test]
+fn sampled_output_with_an_fp8_draft_has_the_target_distribution() {
+    let prompt = prompts()[0].clone();
+    let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    let model = target();
+    let exact = stats::exact_second_token(&model, &prompt, &params, 0.0);
+    let (blocks, _, _) = fp8_checkpoint(Layout::Blocks);
+    let t = target();
+    let d = load(blocks.path(), &t).unwrap();
+    let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+    let counts = second_token_counts(&mut e, &prompt, &params, 3000);
+    let (stat, df) = stats::chi_square(&counts, &exact);
+    let limit = stats::chi_square_limit(df);
+    eprintln!("fp8 draft, T=1: chi2 {stat:.1} on {df} df (limit {limit:.1})");
+    assert!(stat < limit, "speculative sampling with an FP8 draft deviates: chi2 {stat:.1} > {limit:.1}");
+    assert!(e.last_stats().drafted > 0);
+}
+
+/// A copy of the block-scaled FP8 draft with `edit` applied to its tensors.
+fn malformed(edit: impl FnOnce(&mut BTreeMap<String, Stored>)) -> tempfile::TempDir {
+    let (dir, _, _) = fp8_checkpoint(Layout::Blocks);
+    let file = dir.path().join("model.safetensors");
+    let mut tensors = read_all(&file);
+    edit(&mut tensors);
+    write_all(&file, &tensors);
+    dir
+}
+
+#[test]
+fn malformed_fp8_checkpoints_are_refused_naming_the_tensor() {
+    let t = target();
+    // A missing scale.
+    let dir = malformed(|m| {
+        m.remove("layers.0.mlp.up_proj.weight_scale_inv");
+    });
+    match load(dir.path(), &t) {
+        Err(Error::MissingTensor { tensor, .. }) => {
+            assert!(tensor.contains("layers.0.mlp.up_proj.weight_scale_inv"), "{tensor}")
+        }
+        other => panic!("missing scale: {other:?}"),
+    }
+    // A scale of neither block nor per-channel shape.
+    let dir = malformed(|m| {
+        m.insert("fc.weight_scale_inv".into(), (Dtype::F32, vec![2, 1], bytes_of(&[1.0, 1.0])));
+    });
+    match load(dir.path(), &t) {
+        Err(Error::TensorShape { tensor, actual, .. }) => {
+            assert_eq!(tensor, "fc.weight_scale_inv");
+            assert_eq!(actual, [2, 1]);
+        }
+        other => panic!("wrong scale shape: {other:?}"),
+    }
+    // An FP8 flavour other than e4m3fn.
+    let dir = malformed(|m| {
+        m.get_mut("layers.1.self_attn.k_proj.weight").unwrap().0 = Dtype::F8_E5M2;
+    });
+    match load(dir.path(), &t) {
+        Err(Error::TensorDtype { tensor, path, dtype }) => {
+            assert_eq!(tensor, "layers.1.self_attn.k_proj.weight");
+            assert!(dtype.contains("E5M2") && path.ends_with("model.safetensors"), "{dtype}");
+        }
+        other => panic!("unsupported dtype: {other:?}"),
+    }
+    // A scale in an FP8 dtype.
+    let dir = malformed(|m| {
+        let n = 1;
+        m.insert("fc.weight_scale_inv".into(), (Dtype::F8_E4M3, vec![1, 1], vec![0x38; n]));
+    });
+    match load(dir.path(), &t) {
+        Err(Error::TensorDtype { tensor, .. }) => assert_eq!(tensor, "fc.weight_scale_inv"),
+        other => panic!("fp8 scale: {other:?}"),
+    }
+    // NaN weights (0x7F).
+    let dir = malformed(|m| {
+        m.get_mut("layers.0.self_attn.o_proj.weight").unwrap().2[3] = 0x7F;
+    });
+    match load(dir.path(), &t) {
+        Err(Error::Safetensors { message, .. }) => {
+            assert!(message.contains("layers.0.self_attn.o_proj.weight"), "{message}")
+        }
+        other => panic!("NaN weight: {other:?}"),
+    }
+    // The weight itself of the wrong shape.
+    let dir = malformed(|m| {
+        m.get_mut("fc.weight").unwrap().1 = vec![128, 64];
+    });
+    match load(dir.path(), &t) {
+        Err(Error::TensorShape { tensor, .. }) => assert_eq!(tensor, "fc.weight"),
+        other => panic!("wrong weight shape: {other:?}"),
+    }
+}
+
+fn models() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
+}
+
+/// The held-out prompts and output lengths of `trained_pair.rs` (`models/report.json`).
+fn heldout() -> Vec<Request> {
+    let text = std::fs::read_to_string(models().join("report.json")).unwrap();
+    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    report["draft"]["eval"]["rust_crosscheck_T0"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            let prompt: Vec<u32> = serde_json::from_value(c["prompt_ids"].clone()).unwrap();
+            let tokens: Vec<u32> = serde_json::from_value(c["tokens"].clone()).unwrap();
+            Request { prompt, params: SamplingParams::greedy(tokens.len()) }
+        })
+        .collect()
+}
+
+#[test]
+fn trained_pair_tau_with_an_fp8_draft() {
+    let requests = heldout();
+    let target = || Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap();
+    let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
+    let mut taus = Vec::new();
+    for quant in [None, Some(DraftQuant::Fp8PerChannel)] {
+        let t = target();
+        let dir = models().join("tiny-code-dspark");
+        let cache = DraftCacheConfig::default();
+        let d = match quant {
+            None => DSparkDraft::load(&dir, &t, LoadOptions::default(), &cache),
+            Some(q) => DSparkDraft::load_quantized(&dir, &t, LoadOptions::default(), &cache, q),
+        }
+        .unwrap();
+        let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+        let out = e.generate(&requests).unwrap();
+        let (mut generated, mut rounds) = (0, 0);
+        for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
+            assert_eq!(o.tokens, r.tokens, "{quant:?}: prompt {i}");
+            generated += o.tokens.len() - 1;
+            rounds += o.stats.rounds;
+        }
+        let tau = generated as f64 / rounds as f64;
+        eprintln!(
+            "trained pair, greedy, {} held-out prompts, draft {}: tau {tau:.3} ({generated} tokens after the first in {rounds} rounds)",
+            requests.len(),
+            if quant.is_some() { "fp8 e4m3 per-channel (quantised at load)" } else { "as shipped (bf16)" }
+        );
+        taus.push(tau);
+    }
+    // Quantisation may lower acceptance a little; the floor for the pair is 2.5.
+    assert!(taus[1] >= 2.5, "fp8 tau {:.3} below the 2.5 floor (bf16 {:.3})", taus[1], taus[0]);
+}
