@@ -286,24 +286,6 @@ fn greedy_output_with_an_fp8_draft_equals_target_only_output() {
     }
 }
 
-fn second_token_counts(engine: &mut Engine, prompt: &[u32], params: &SamplingParams, n: u64) -> Vec<usize> {
-    let mut counts = vec![0; 512];
-    let seeds: Vec<u64> = (0..n).collect();
-    for batch in seeds.chunks(250) {
-        let requests: Vec<Request> = batch
-            .iter()
-            .map(|&seed| Request {
-                prompt: prompt.to_vec(),
-                params: SamplingParams { seed, max_new_tokens: 2, ..params.clone() },
-            })
-            .collect();
-        for g in engine.generate(&requests).unwrap() {
-            counts[g.tokens[1] as usize] += 1;
-        }
-    }
-    counts
-}
-
 #[test]
 fn sampled_output_with_an_fp8_draft_has_the_target_distribution() {
     let prompt = prompts()[0].clone();
@@ -314,7 +296,7 @@ fn sampled_output_with_an_fp8_draft_has_the_target_distribution() {
     let t = target();
     let d = load(blocks.path(), &t).unwrap();
     let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
-    let counts = second_token_counts(&mut e, &prompt, &params, 3000);
+    let counts = stats::second_token_counts(&mut e, &prompt, &params, 3000);
     let (stat, df) = stats::chi_square(&counts, &exact);
     let limit = stats::chi_square_limit(df);
     eprintln!("fp8 draft, T=1: chi2 {stat:.1} on {df} df (limit {limit:.1})");

@@ -246,25 +246,6 @@ impl Speculator for AlwaysAccept {
     }
 }
 
-/// Sample the second token `n` times (seeds 0..n) with `engine` and return counts.
-fn second_token_counts(engine: &mut Engine, prompt: &[u32], params: &SamplingParams, n: u64) -> Vec<usize> {
-    let mut counts = vec![0; 512];
-    let seeds: Vec<u64> = (0..n).collect();
-    for batch in seeds.chunks(250) {
-        let requests: Vec<Request> = batch
-            .iter()
-            .map(|&seed| Request {
-                prompt: prompt.to_vec(),
-                params: SamplingParams { seed, max_new_tokens: 2, ..params.clone() },
-            })
-            .collect();
-        for g in engine.generate(&requests).unwrap() {
-            counts[g.tokens[1] as usize] += 1;
-        }
-    }
-    counts
-}
-
 #[test]
 fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_caught() {
     let prompt = prompts()[0].clone();
@@ -278,7 +259,7 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
     let mut e = spec_engine(VerifyPolicy::Full);
     for params in &settings {
         let exact = stats::exact_second_token(&model, &prompt, params, 0.0);
-        let counts = second_token_counts(&mut e, &prompt, params, n);
+        let counts = stats::second_token_counts(&mut e, &prompt, params, n);
         let (stat, df) = stats::chi_square(&counts, &exact);
         let limit = stats::chi_square_limit(df);
         eprintln!("spec {params:?}: chi2 {stat:.1} on {df} df (limit {limit:.1})");
@@ -294,7 +275,7 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
     e.generate(&greedy_requests(8)).unwrap();
     for params in &settings[..2] {
         let exact = stats::exact_second_token(&model, &prompt, params, 0.0);
-        let counts = second_token_counts(&mut e, &prompt, params, n);
+        let counts = stats::second_token_counts(&mut e, &prompt, params, n);
         let (stat, df) = stats::chi_square(&counts, &exact);
         let limit = stats::chi_square_limit(df);
         let s = e.last_stats();
@@ -312,7 +293,7 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
     let mut broken = Engine::with_draft(t, Box::new(AlwaysAccept(d)), &EngineConfig::default()).unwrap();
     let params = &settings[0];
     let exact = stats::exact_second_token(&model, &prompt, params, 0.0);
-    let counts = second_token_counts(&mut broken, &prompt, params, n);
+    let counts = stats::second_token_counts(&mut broken, &prompt, params, n);
     let (stat, df) = stats::chi_square(&counts, &exact);
     eprintln!("broken rule: chi2 {stat:.1} on {df} df (limit {:.1})", stats::chi_square_limit(df));
     assert!(stat > stats::chi_square_limit(df), "the test failed to catch a broken acceptance rule");

@@ -1,7 +1,7 @@
 //! Exact target marginals and χ² checks for the sampled-distribution tests.
 
 use dspark::sampling::target_probs;
-use dspark::{KvCache, LogitRows, PagedKvCache, Qwen3, SamplingParams, SeqChunk, SeqId};
+use dspark::{Engine, KvCache, LogitRows, PagedKvCache, Qwen3, Request, SamplingParams, SeqChunk, SeqId};
 
 /// Exact marginal distribution of the second generated token under `params`:
 /// Σ_{t1} p(t1 | prompt) · p(t2 | prompt, t1), from the target alone. First tokens are taken
@@ -76,4 +76,29 @@ pub fn chi_square_limit(df: usize) -> f64 {
     let d = df as f64;
     let z = 3.719;
     d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// Sample the second generated token `n` times (seeds `0..n`, 250 requests per `generate`
+/// call) with `engine` and count it per token id (vocabulary of the golden tiny models: 512).
+pub fn second_token_counts(
+    engine: &mut Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: u64,
+) -> Vec<usize> {
+    let mut counts = vec![0; 512];
+    let seeds: Vec<u64> = (0..n).collect();
+    for batch in seeds.chunks(250) {
+        let requests: Vec<Request> = batch
+            .iter()
+            .map(|&seed| Request {
+                prompt: prompt.to_vec(),
+                params: SamplingParams { seed, max_new_tokens: 2, ..params.clone() },
+            })
+            .collect();
+        for g in engine.generate(&requests).unwrap() {
+            counts[g.tokens[1] as usize] += 1;
+        }
+    }
+    counts
 }
