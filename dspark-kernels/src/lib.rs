@@ -5,6 +5,93 @@
 //! Model code calls only the functions of this crate for these steps, so a kernel can be swapped
 //! in without touching the models.
 
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod reference;
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::tensor::{Int, Tensor};
+
+static KERNELS: AtomicBool = AtomicBool::new(true);
+
+/// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
+/// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
+pub fn set_kernels_enabled(enabled: bool) {
+    KERNELS.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether this crate's GPU kernels are on (see [`set_kernels_enabled`]).
+pub fn kernels_enabled() -> bool {
+    KERNELS.load(Ordering::Relaxed)
+}
+
 pub use reference::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
+
+/// `x · Wᵀ` for a weight in its checkpoint layout `[out, in]`.
+///
+/// On CUDA, bf16 activations and weights with `in` a multiple of 32 and `out` a multiple of 16
+/// (every Qwen3 and DSpark projection and LM head) run the tensor-core skinny GEMM of this crate:
+/// one pass over the weight for up to 64 rows, f32 accumulation, and a reduction order that does
+/// not depend on the number of rows (a row's result is bit-identical alone or batched). Everything
+/// else runs [`reference::linear`].
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `weight`: `[out, in]` → `[rows, out]`.
+///
+pub fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::gemm::takes(&x, weight) {
+        return cuda::gemm::linear(x, weight);
+    }
+    reference::linear(x, weight)
+}
+
+/// Whether this crate's CUDA kernels can run on `device` (a CUDA build, a CUDA device, kernels
+/// enabled). Callers use it to skip preparing kernel inputs on other devices.
+pub fn kernels_available(device: &burn::tensor::Device) -> bool {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() {
+        return matches!(device.as_dispatch(), burn::backend::DispatchDevice::Cube(_));
+    }
+    let _ = device;
+    false
+}
+
+/// Whether [`paged_attention`] runs a kernel for these tensors: CUDA, bf16, a head width that is
+/// a multiple of 32 (up to 256). Callers without it keep a per-lane path over
+/// [`reference::attention`], which is what the kernel is checked against.
+pub fn paged_attention_supported(q: &Tensor<3>, pool: &Tensor<3>) -> bool {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() {
+        return cuda::attention::supported(q, pool);
+    }
+    let _ = (q, pool);
+    false
+}
+
+/// Attention of every query row of every lane over a paged K/V pool, in one call.
+///
+/// Row `r` attends to the pool rows `keys[meta[r, 0] .. meta[r, 0] + meta[r, 1]]` (the lane's
+/// positions `0 .. start + i + 1` for a causal row, every context and block key for a draft
+/// block row), with grouped-query heads and the softmax in f32. The lengths live in device
+/// memory, so a captured launch stays valid as contexts grow. With
+/// [`paged_attention_supported`] it is one CUDA kernel whose per-row reduction order depends
+/// only on the row's key count; otherwise [`reference::paged_attention`].
+///
+/// # Shapes
+/// `q`: `[rows, heads, head_dim]`, `k_pool`/`v_pool`: `[pool_rows, kv_heads, head_dim]`,
+/// `keys`: `[n]`, `meta`: `[rows, 2]` → `[rows, heads, head_dim]`.
+pub fn paged_attention(
+    q: Tensor<3>,
+    k_pool: &Tensor<3>,
+    v_pool: &Tensor<3>,
+    keys: &Tensor<1, Int>,
+    meta: &Tensor<2, Int>,
+) -> Tensor<3> {
+    #[cfg(feature = "cuda")]
+    if paged_attention_supported(&q, k_pool) {
+        return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta);
+    }
+    reference::paged_attention(q, k_pool, v_pool, keys, meta)
+}

@@ -1,7 +1,7 @@
 //! Plain-burn bodies: the reference every kernel is compared against.
 
 use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Bool, DType, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
 
 /// RMSNorm over the last axis, as Hugging Face Qwen3 computes it: normalise in f32, cast back to
 /// the input dtype, then scale by `weight`.
@@ -15,6 +15,27 @@ pub fn rms_norm<const D: usize>(x: Tensor<D>, weight: &Tensor<1>, eps: f64) -> T
     let normed = x32 * variance.add_scalar(eps).sqrt().recip();
     let normed = if dtype == DType::F32 { normed } else { normed.cast(dtype) };
     normed * weight.clone().unsqueeze::<D>()
+}
+
+/// `x · Wᵀ` for a weight in its checkpoint layout `[out, in]`, as burn's matmul computes it in
+/// the tensors' dtype.
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `weight`: `[out, in]` → `[rows, out]`.
+pub fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    x.matmul(weight.clone().transpose())
+}
+
+/// `x · Wᵀ` accumulated in f32 whatever the dtype, cast back to the dtype of `x`: what the
+/// skinny GEMM kernel computes up to the order of its sums.
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `weight`: `[out, in]` → `[rows, out]`.
+pub fn linear_f32(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
+    let dtype = x.dtype();
+    let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
+    let y = to32(x).matmul(to32(weight.clone()).transpose());
+    if dtype == DType::F32 { y } else { y.cast(dtype) }
 }
 
 /// Rotary position embedding (the "rotate half" form) with precomputed tables.
@@ -86,4 +107,85 @@ pub fn attention(q: Tensor<3>, k: Tensor<3>, v: Tensor<3>, mask: AttentionMask) 
     // 4. [kv_heads, groups * rows, hd] -> [rows, heads, hd].
     let out = out.reshape([heads, rows, head_dim]).swap_dims(0, 1);
     if dtype == DType::F32 { out } else { out.cast(dtype) }
+}
+
+/// The plain-burn body of [`crate::paged_attention`]: each query row gathers its keys from the
+/// pool and runs [`attention`] over them. Reads `keys` and `meta` back to the host.
+///
+/// # Shapes
+/// `q`: `[rows, heads, head_dim]`, `k_pool`/`v_pool`: `[pool_rows, kv_heads, head_dim]`,
+/// `keys`: `[n]`, `meta`: `[rows, 2]` → `[rows, heads, head_dim]`.
+///
+/// # Panics
+/// If `meta` names keys outside `keys`.
+pub fn paged_attention(
+    q: Tensor<3>,
+    k_pool: &Tensor<3>,
+    v_pool: &Tensor<3>,
+    keys: &Tensor<1, Int>,
+    meta: &Tensor<2, Int>,
+) -> Tensor<3> {
+    let rows = q.dims()[0];
+    let host = |t: TensorData| t.convert::<i64>().try_into_vec::<i64>().unwrap_or_default();
+    let keys_h = host(keys.to_data());
+    let meta_h = host(meta.to_data());
+    let device = q.device();
+    let outs: Vec<Tensor<3>> = (0..rows)
+        .map(|r| {
+            let (first, count) = (meta_h[2 * r] as usize, meta_h[2 * r + 1] as usize);
+            let idx: Vec<i64> = keys_h[first..first + count].to_vec();
+            let idx = Tensor::<1, Int>::from_data(TensorData::new(idx, [count]), &device);
+            let k = k_pool.clone().select(0, idx.clone());
+            let v = v_pool.clone().select(0, idx);
+            attention(q.clone().narrow(0, r, 1), k, v, AttentionMask::Full)
+        })
+        .collect();
+    Tensor::cat(outs, 0)
+}
+
+#[cfg(all(test, feature = "cpu"))]
+mod tests {
+    use super::*;
+    use burn::tensor::{Device, Distribution};
+
+    /// The paged body over scattered pool rows equals causal attention over each lane's
+    /// gathered keys, and a block row seeing every key equals unmasked attention.
+    #[test]
+    fn paged_attention_equals_attention_over_gathered_keys() {
+        let device = Device::flex();
+        let (pool_rows, kv_heads, heads, head_dim) = (40, 2, 4, 8);
+        let pool =
+            |_| Tensor::<3>::random([pool_rows, kv_heads, head_dim], Distribution::Normal(0.0, 1.0), &device);
+        let (k_pool, v_pool) = (pool(0), pool(1));
+        // Lane 0: context of 5, a 3-row causal window at positions 2..5. Lane 1: 7 keys, 2 block
+        // rows seeing all of them. Physical rows scattered over the pool.
+        let lane0: Vec<i64> = vec![31, 4, 17, 9, 22];
+        let lane1: Vec<i64> = vec![0, 39, 12, 5, 26, 33, 8];
+        let keys: Vec<i64> = lane0.iter().chain(&lane1).copied().collect();
+        let meta: Vec<i64> = vec![0, 3, 0, 4, 0, 5, 5, 7, 5, 7];
+        let q = Tensor::<3>::random([5, heads, head_dim], Distribution::Normal(0.0, 1.0), &device);
+        let keys_t = Tensor::<1, Int>::from_data(TensorData::new(keys.clone(), [keys.len()]), &device);
+        let meta_t = Tensor::<2, Int>::from_data(TensorData::new(meta, [5, 2]), &device);
+        let got = paged_attention(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t);
+
+        let gather = |rows: &[i64], pool: &Tensor<3>| {
+            let idx = Tensor::<1, Int>::from_data(TensorData::new(rows.to_vec(), [rows.len()]), &device);
+            pool.clone().select(0, idx)
+        };
+        let want0 = attention(
+            q.clone().narrow(0, 0, 3),
+            gather(&lane0, &k_pool),
+            gather(&lane0, &v_pool),
+            AttentionMask::Causal { first: 2 },
+        );
+        let want1 = attention(
+            q.narrow(0, 3, 2),
+            gather(&lane1, &k_pool),
+            gather(&lane1, &v_pool),
+            AttentionMask::Full,
+        );
+        let want = Tensor::cat(vec![want0, want1], 0);
+        let diff = (got - want).abs().max().into_scalar::<f32>();
+        assert!(diff < 1e-5, "max |paged - gathered| = {diff}");
+    }
 }

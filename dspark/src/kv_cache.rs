@@ -119,6 +119,22 @@ pub trait KvCache {
     /// [`Error::UnknownSequence`], [`Error::InvalidInput`] when `len` exceeds the length.
     fn gather_index(&self, seq: SeqId, len: usize) -> Result<Tensor<1, Int>>;
 
+    /// The same physical rows as [`KvCache::gather_index`], on the host.
+    ///
+    /// # Errors
+    /// [`Error::UnknownSequence`], [`Error::InvalidInput`] when `len` exceeds the length.
+    fn physical_rows(&self, seq: SeqId, len: usize) -> Result<Vec<i64>>;
+
+    /// The whole K and V pools of `layer`, for kernels that read rows through page tables
+    /// ([`KvCache::physical_rows`]); `None` when this cache keeps no such pool.
+    ///
+    /// # Shapes
+    /// `([pool_rows, kv_heads, head_dim], [pool_rows, kv_heads, head_dim])`.
+    fn pools(&self, layer: usize) -> Option<(Tensor<3>, Tensor<3>)> {
+        let _ = layer;
+        None
+    }
+
     /// K and V of the rows named by `index` for `layer`.
     ///
     /// # Shapes
@@ -340,6 +356,11 @@ impl KvCache for PagedKvCache {
     }
 
     fn gather_index(&self, seq: SeqId, len: usize) -> Result<Tensor<1, Int>> {
+        let rows = self.physical_rows(seq, len)?;
+        Ok(Tensor::from_data(TensorData::new(rows, [len]), &self.device))
+    }
+
+    fn physical_rows(&self, seq: SeqId, len: usize) -> Result<Vec<i64>> {
         let state = self.seq(seq)?;
         if len > state.len {
             return Err(Error::InvalidInput(format!(
@@ -348,9 +369,11 @@ impl KvCache for PagedKvCache {
             )));
         }
         let page_size = self.layout.page_size;
-        let rows: Vec<i64> =
-            (0..len).map(|p| (state.pages[p / page_size] * page_size + p % page_size) as i64).collect();
-        Ok(Tensor::from_data(TensorData::new(rows, [len]), &self.device))
+        Ok((0..len).map(|p| (state.pages[p / page_size] * page_size + p % page_size) as i64).collect())
+    }
+
+    fn pools(&self, layer: usize) -> Option<(Tensor<3>, Tensor<3>)> {
+        Some((self.k.get(layer)?.clone(), self.v.get(layer)?.clone()))
     }
 
     fn read(&self, layer: usize, index: &Tensor<1, Int>) -> (Tensor<3>, Tensor<3>) {

@@ -46,6 +46,15 @@ pub struct DecoderLayer {
     shape: LayerShape,
 }
 
+/// The page tables of one batched forward on the device, for [`dspark_kernels::paged_attention`]:
+/// every sequence's physical rows (`keys`) and, per query row, where its keys start in `keys`
+/// and how many it sees (`meta`, `[rows, 2]`). Built once per forward, read by every layer.
+#[derive(Debug, Clone)]
+pub(crate) struct AttnPlan {
+    pub keys: Tensor<1, Int>,
+    pub meta: Tensor<2, Int>,
+}
+
 /// Where one sequence's rows sit in a batched forward.
 #[derive(Debug, Clone)]
 pub(crate) struct SeqRows {
@@ -60,7 +69,7 @@ pub(crate) struct SeqRows {
 
 /// `x · Wᵀ` for a weight stored `[out, in]`.
 pub(crate) fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
-    x.matmul(weight.clone().transpose())
+    dspark_kernels::linear(x, weight)
 }
 
 /// A projection weight, loaded in the checkpoint's `[out, in]` layout.
@@ -257,14 +266,33 @@ impl DecoderLayer {
         &self,
         layer: usize,
         x: Tensor<2>,
-        cos: &Tensor<2>,
-        sin: &Tensor<2>,
+        (cos, sin): (&Tensor<2>, &Tensor<2>),
         seqs: &[SeqRows],
+        plan: Option<&AttnPlan>,
         cache: &mut dyn KvCache,
     ) -> Result<Tensor<2>> {
         // 1-2. pre-norm, projections, per-head norms, RoPE.
         let (q, k, v) = self.qkv(x.clone(), cos, sin);
-        // 3. per sequence: store new K/V, attend over the whole context.
+        // 3a. one kernel over every sequence's page table, after storing the new K/V.
+        if let Some(plan) = plan
+            && let Some((k_pool, v_pool)) = cache.pools(layer)
+            && dspark_kernels::paged_attention_supported(&q, &k_pool)
+        {
+            for s in seqs {
+                let n = s.rows.len();
+                let (k_new, v_new) = if seqs.len() == 1 {
+                    (k.clone(), v.clone())
+                } else {
+                    (k.clone().narrow(0, s.rows.start, n), v.clone().narrow(0, s.rows.start, n))
+                };
+                cache.write(layer, s.seq, s.start, k_new, v_new)?;
+            }
+            // The pools after the writes (a write may have replaced the tensors).
+            let (k_pool, v_pool) = cache.pools(layer).unwrap_or((k_pool, v_pool));
+            let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
+            return Ok(self.finish(x, attn));
+        }
+        // 3b. per sequence: store new K/V, attend over the whole context.
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs {
             let n = s.rows.len();

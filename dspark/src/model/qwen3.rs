@@ -6,7 +6,7 @@ use std::path::Path;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm;
 
-use super::layer::{DecoderLayer, LayerShape, Proj, SeqRows};
+use super::layer::{AttnPlan, DecoderLayer, LayerShape, Proj, SeqRows};
 use super::rope::Rope;
 use crate::config::Qwen3Config;
 use crate::device::{ComputeDtype, DeviceKind};
@@ -295,6 +295,13 @@ impl Qwen3 {
             offset += n;
         }
         let total = tokens.len();
+        let plan = match self.attention_plan(&seqs, cache) {
+            Ok(plan) => plan,
+            Err(e) => {
+                self.rollback(cache, &grow, &ranges);
+                return Err(e);
+            }
+        };
         // 2. embed [rows, hidden]; rotary tables [rows, head_dim].
         let ids = Tensor::<1, Int>::from_data(TensorData::new(tokens, [total]), &self.device);
         let mut x = self.embed_tokens.clone().select(0, ids);
@@ -302,7 +309,7 @@ impl Qwen3 {
         // 3. decoder layers, keeping the captured residual outputs.
         let mut captured: Vec<Option<Tensor<2>>> = vec![None; capture.len()];
         for (l, layer) in self.layers.iter().enumerate() {
-            x = match layer.forward(l, x, &cos, &sin, &seqs, cache) {
+            x = match layer.forward(l, x, (&cos, &sin), &seqs, plan.as_ref(), cache) {
                 Ok(x) => x,
                 Err(e) => {
                     self.rollback(cache, &grow, &ranges);
@@ -346,6 +353,34 @@ impl Qwen3 {
             features,
             rows: seqs.iter().map(|s| s.rows.clone()).collect(),
         })
+    }
+
+    /// The page tables of this forward for [`dspark_kernels::paged_attention`], when the kernels
+    /// run on this device and the cache keeps a pool; `None` makes every layer attend per
+    /// sequence instead. Row `i` of a sequence whose new rows start at position `start` sees
+    /// positions `0..=start + i` (causal).
+    fn attention_plan(&self, seqs: &[SeqRows], cache: &dyn KvCache) -> Result<Option<AttnPlan>> {
+        if !dspark_kernels::kernels_available(&self.device) || cache.pools(0).is_none() {
+            return Ok(None);
+        }
+        let mut keys: Vec<i32> = Vec::new();
+        let mut meta: Vec<i32> = Vec::new();
+        for s in seqs {
+            let first = keys.len();
+            let rows = cache.physical_rows(s.seq, s.start + s.rows.len())?;
+            keys.extend(rows.into_iter().map(|r| r as i32));
+            for i in 0..s.rows.len() {
+                meta.extend([first as i32, (s.start + i + 1) as i32]);
+            }
+        }
+        let opts = || {
+            burn::tensor::TensorCreationOptions::new(self.device.clone()).with_dtype(burn::tensor::DType::I32)
+        };
+        let (n, rows) = (keys.len(), meta.len() / 2);
+        Ok(Some(AttnPlan {
+            keys: Tensor::from_data(TensorData::new(keys, [n]), opts()),
+            meta: Tensor::from_data(TensorData::new(meta, [rows, 2]), opts()),
+        }))
     }
 
     fn rollback(&self, cache: &mut dyn KvCache, grow: &[(SeqId, usize)], ranges: &[Range<usize>]) {

@@ -1,0 +1,276 @@
+//! Skinny GEMM on tensor cores: `y = x · Wᵀ` for a bf16 weight `[out, in]` in its checkpoint
+//! layout and a few bf16 activation rows (a decode step, a verify window, a few lanes).
+//!
+//! # How one cube works
+//! A cube owns 16 consecutive weight rows (the `M` side of `mma.sync.m16n8k16`, bf16 operands,
+//! f32 accumulators) and every activation row of the call, 8 at a time (the `N` side). Its
+//! `WARPS` warps split the reduction axis: warp `w` takes the 32-wide chunks `w, w + WARPS, …`
+//! of `in`. Every global load is 16 bytes (8 bf16): lane `(g, t)` (group `g = lane / 4`,
+//! `t = lane % 4`) reads weight rows `g` and `g + 8` and activation row `g` at the same 8
+//! consecutive `k`, and splits them over two mma steps. The mapping of those `k` to the
+//! instruction's `k` slots is a permutation, the same for the weight and the activation, so every
+//! dot product is unchanged. The warps' partial sums meet in shared memory and are added in warp
+//! order.
+//!
+//! # Batch invariance
+//! Nothing in a row's reduction depends on the other rows: the chunk order of each warp, the
+//! mma tree inside one instruction, and the warp order of the final sum depend only on `in`. A
+//! row therefore gets bit-identical results whether it is computed alone, inside a verify window
+//! or among other lanes (the GPU tests check it).
+
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+use half::bf16;
+
+/// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
+type Words = Vector<u32, Const<4>>;
+
+/// Warps per cube (they split the reduction axis).
+pub(crate) const WARPS: usize = 8;
+/// Chunks of 32 `k` each warp loads before it multiplies (loads in flight per lane:
+/// `(2 + tiles)·unroll`): deeper when few activation tiles leave registers free.
+fn unroll(tiles: usize) -> usize {
+    match tiles {
+        1 | 2 => 4,
+        3 | 4 => 2,
+        _ => 1,
+    }
+}
+/// Most activation rows one launch handles (8 per mma tile); larger calls are split on the host.
+pub(crate) const MAX_ROWS: usize = 64;
+
+/// One cube: 16 weight rows × every activation row of the call (`8 · tiles` slots).
+///
+/// `x`: `[rows, in]`, `w`: `[out, in]`, both contiguous bf16 read as words; `y`: `[rows, out]`.
+/// `in_words = in / 8`; `in` a multiple of 32, `out` a multiple of 16.
+#[cube(launch_unchecked)]
+fn skinny_gemm_kernel(
+    x: &[Words],
+    w: &[Words],
+    y: &mut [bf16],
+    rows: u32,
+    in_words: u32,
+    out: u32,
+    #[comptime] tiles: usize,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let g = lane / 4;
+    let t = lane % 4;
+    let block = CUBE_POS_X as usize;
+    let in_words = in_words as usize;
+    let rows = rows as usize;
+    let out = out as usize;
+    let chunks = in_words / 4;
+
+    let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+
+    // Accumulators: tile j holds (weight row g, x row 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t),
+    // (g+8, 8j+2t+1).
+    let mut acc = Array::<Vector<f32, Const<4>>>::new(tiles);
+    #[unroll]
+    for j in 0..tiles {
+        acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
+    }
+
+    let w_lo = (block * 16 + g) * in_words + t;
+    let w_hi = w_lo + 8 * in_words;
+    let zero = Words::new(0u32);
+
+    let steps = chunks.div_ceil(warps * unroll);
+    for step in 0..steps {
+        // 1. Loads: `unroll` chunks of both weight rows and of every activation row.
+        let mut wa = Array::<Words>::new(unroll);
+        let mut wb = Array::<Words>::new(unroll);
+        let mut xs = Array::<Words>::new(unroll * tiles);
+        #[unroll]
+        for u in 0..unroll {
+            let chunk = (step * unroll + u) * warps + warp;
+            if chunk < chunks {
+                wa[u] = w[w_lo + chunk * 4];
+                wb[u] = w[w_hi + chunk * 4];
+            } else {
+                wa[u] = zero;
+                wb[u] = zero;
+            }
+            #[unroll]
+            for j in 0..tiles {
+                let row = j * 8 + g;
+                if chunk < chunks && row < rows {
+                    xs[u * tiles + j] = x[row * in_words + chunk * 4 + t];
+                } else {
+                    xs[u * tiles + j] = zero;
+                }
+            }
+        }
+        // 2. Two mma steps per chunk: the first four k of each 8 go to step 0, the rest to 1.
+        #[unroll]
+        for u in 0..unroll {
+            #[unroll]
+            for s in 0..2usize {
+                let mut a_words = Words::new(0u32);
+                a_words.insert(0usize, wa[u].extract(2 * s));
+                a_words.insert(1usize, wb[u].extract(2 * s));
+                a_words.insert(2usize, wa[u].extract(2 * s + 1));
+                a_words.insert(3usize, wb[u].extract(2 * s + 1));
+                let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words);
+                #[unroll]
+                for j in 0..tiles {
+                    let xw = xs[u * tiles + j];
+                    let mut b_words = Vector::<u32, Const<2>>::new(0u32);
+                    b_words.insert(0usize, xw.extract(2 * s));
+                    b_words.insert(1usize, xw.extract(2 * s + 1));
+                    let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
+                    b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
+                    let mut c = Array::<Vector<f32, Const<4>>>::new(1usize);
+                    c[0] = acc[j];
+                    def.execute_inplace(&a, &b, &mut c);
+                    acc[j] = c[0];
+                }
+            }
+        }
+    }
+
+    // 3. Partial sums of every warp into shared memory, laid out [warp][tile][x row][weight row].
+    let tile_len = 128usize;
+    let mut partial = Shared::<[f32]>::new_slice(warps * tiles * 128);
+    let base = warp * tiles * tile_len;
+    #[unroll]
+    for j in 0..tiles {
+        let v = acc[j];
+        let at = base + j * tile_len;
+        partial[at + (2 * t) * 16 + g] = v.extract(0usize);
+        partial[at + (2 * t + 1) * 16 + g] = v.extract(1usize);
+        partial[at + (2 * t) * 16 + g + 8] = v.extract(2usize);
+        partial[at + (2 * t + 1) * 16 + g + 8] = v.extract(3usize);
+    }
+    sync_cube();
+
+    // 4. Sum over warps in warp order and write bf16; consecutive threads write consecutive
+    //    output features of one row.
+    let threads = warps * 32;
+    let id = warp * 32 + lane;
+    let total = tiles * tile_len;
+    let passes = total.div_ceil(threads);
+    #[unroll]
+    for p in 0..passes {
+        let e = p * threads + id;
+        if e < total {
+            let mut sum = 0.0f32;
+            #[unroll]
+            for v in 0..warps {
+                sum += partial[v * total + e];
+            }
+            let j = e / tile_len;
+            let within = e % tile_len;
+            let row = j * 8 + within / 16;
+            if row < rows {
+                y[row * out + block * 16 + within % 16] = bf16::cast_from(sum);
+            }
+        }
+    }
+}
+
+/// Whether [`linear`] runs this product: a CUDA device, bf16 on both sides, matching inner
+/// dimensions and [`supported`] shapes.
+pub(crate) fn takes(x: &Tensor<2>, w: &Tensor<2>) -> bool {
+    let [rows, inp] = x.dims();
+    let [out, w_in] = w.dims();
+    inp == w_in
+        && x.dtype() == DType::BF16
+        && w.dtype() == DType::BF16
+        && supported(rows, inp, out)
+        && matches!(x.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+}
+
+/// `x · wᵀ` through the kernel, on burn tensors that [`takes`] accepted.
+pub(crate) fn linear(x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
+    let y = <Dispatch as SkinnyGemmOps>::skinny_gemm(x.into_dispatch(), w.clone().into_dispatch());
+    Tensor::from_dispatch(y)
+}
+
+/// Whether the kernel takes this problem: bf16 on both sides, `in` a multiple of 32 and `out` a
+/// multiple of 16 (every Qwen3 and DSpark projection, and the LM heads).
+pub(crate) fn supported(rows: usize, inp: usize, out: usize) -> bool {
+    rows > 0 && inp > 0 && out > 0 && inp.is_multiple_of(32) && out.is_multiple_of(16)
+}
+
+/// `x · wᵀ` on CubeCL tensors; `x` `[rows, in]`, `w` `[out, in]`, both bf16 and contiguous.
+///
+/// # Panics
+/// If the shapes are not [`supported`] or the tensors are not contiguous bf16 (the caller checks).
+pub(crate) fn launch(x: CubeTensor, w: CubeTensor) -> CubeTensor {
+    let x = burn_cubecl::kernel::into_contiguous(x);
+    let w = burn_cubecl::kernel::into_contiguous(w);
+    let [rows, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let out = w.meta.shape()[0];
+    assert!(supported(rows, inp, out), "skinny_gemm: unsupported shape [{rows}, {inp}] x [{out}, {inp}]");
+    let client = x.client.clone();
+    // Contiguous: the default allocation pads rows to an alignment (an LM head's 151936 bf16
+    // rows would get a longer pitch), and the kernel writes rows `out` apart.
+    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        [rows, out].into(),
+        x.dtype,
+    );
+    let in_words = inp / 8;
+    let mut start = 0;
+    while start < rows {
+        let n = (rows - start).min(MAX_ROWS);
+        let tiles = n.div_ceil(8);
+        // Row `start` of x and of y: byte offsets into the same buffers.
+        let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
+        let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
+        // SAFETY: the lengths below are the buffers' sizes from `start` on, in the kernel's
+        // element units (16-byte words for x and w, bf16 for y); the kernel reads x rows `< n`,
+        // w rows `< out`, and writes y rows `< n` only.
+        unsafe {
+            skinny_gemm_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static((out / 16) as u32, 1, 1),
+                CubeDim::new_2d(32, WARPS as u32),
+                BufferArg::from_raw_parts(x_handle, n * in_words),
+                BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
+                BufferArg::from_raw_parts(y_handle, n * out),
+                n as u32,
+                in_words as u32,
+                out as u32,
+                tiles,
+                WARPS,
+                unroll(tiles),
+            );
+        }
+        start += n;
+    }
+    y
+}
+
+/// `[rows, out]` for `x` `[rows, in]` and `w` `[out, in]`.
+fn output_shape(x: &burn::tensor::Shape, w: &burn::tensor::Shape) -> burn::tensor::Shape {
+    [x[0], w[0]].into()
+}
+
+/// The backend extension: one operation, run by CubeCL on CUDA and deferred through fusion.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait SkinnyGemmOps: burn::backend::Backend {
+    /// `x · wᵀ`; `x` `[rows, in]`, `w` `[out, in]` → `[rows, out]`.
+    #[fusion(dtype = x, shape = output_shape(x, w))]
+    fn skinny_gemm(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        w: burn::backend::tensor::FloatTensor<Self>,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+}
+
+impl SkinnyGemmOps for CubeBackend {
+    fn skinny_gemm(x: CubeTensor, w: CubeTensor) -> CubeTensor {
+        launch(x, w)
+    }
+}

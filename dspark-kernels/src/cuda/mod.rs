@@ -1,0 +1,7 @@
+//! CubeCL kernels for CUDA, launched on burn's CUDA tensors through a backend extension.
+//!
+//! Each one has a plain-burn body in [`crate::reference`]; the `*_matches_reference` tests in
+//! `tests/gpu_kernels.rs` (GPU machine only) compare them on fresh random inputs.
+
+pub(crate) mod attention;
+pub(crate) mod gemm;

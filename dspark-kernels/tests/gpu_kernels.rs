@@ -1,0 +1,301 @@
+//! GPU suite (feature `cuda`, run on the GPU machine, never in CI): every CUDA kernel of this
+//! crate against its plain-burn body and a float64 recomputation on the host, on fresh random
+//! inputs, with the output's memory poisoned before the run.
+//!
+//! ```text
+//! CUDARC_CUDA_VERSION=13000 cargo test --release --features cuda -p dspark-kernels --test gpu_kernels
+//! ```
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)]
+
+use burn::tensor::{DType, Device, Distribution, Tensor, TensorCreationOptions};
+
+fn cuda() -> Device {
+    Device::cuda(0)
+}
+
+/// A fresh `[rows, cols]` bf16 tensor of N(0, σ²) values.
+fn random(rows: usize, cols: usize, sigma: f64, device: &Device) -> Tensor<2> {
+    let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+    Tensor::<2>::random([rows, cols], Distribution::Normal(0.0, sigma), opts).cast(DType::BF16)
+}
+
+/// Fill and drop a NaN buffer of `elems` bf16, so the next allocation of that size reuses
+/// poisoned memory: an element the kernel forgets to write reads back as NaN.
+fn poison(elems: usize, device: &Device) {
+    let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::BF16);
+    let nan = Tensor::<1>::full([elems], f32::NAN, opts);
+    let _ = nan.into_data();
+}
+
+fn host(t: Tensor<2>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+}
+
+/// `x · wᵀ` in float64 on the host, from the bf16 values the device holds.
+fn reference_f64(x: &[f32], w: &[f32], rows: usize, inp: usize, out: usize) -> Vec<f64> {
+    let cols: Vec<usize> = (0..out).collect();
+    reference_cols(x, w, rows, inp, &cols)
+}
+
+/// Columns `cols` of `x · wᵀ` in float64, row by row (`[rows, cols.len()]`).
+fn reference_cols(x: &[f32], w: &[f32], rows: usize, inp: usize, cols: &[usize]) -> Vec<f64> {
+    let mut y = Vec::with_capacity(rows * cols.len());
+    for r in 0..rows {
+        let xr = &x[r * inp..(r + 1) * inp];
+        for &o in cols {
+            let wr = &w[o * inp..(o + 1) * inp];
+            y.push(xr.iter().zip(wr).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum());
+        }
+    }
+    y
+}
+
+/// ‖a − b‖ / ‖b‖, or infinity when `a` holds a NaN or an infinity.
+fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    if a.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (f64::from(x) - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn skinny_gemm_matches_reference() {
+    let device = cuda();
+    // (in, out): a DSpark/Qwen3 hidden width onto a k/v projection, a down projection's long
+    // reduction, and a small model's shape.
+    let shapes = [(4096, 1024), (12288, 256), (256, 768)];
+    let rows_list = [1, 2, 3, 7, 8, 9, 16, 17, 33, 64, 65, 130];
+    for &(inp, out) in &shapes {
+        let w = random(out, inp, 0.02, &device);
+        let wh = host(w.clone());
+        for &rows in &rows_list {
+            let x = random(rows, inp, 1.0, &device);
+            let xh = host(x.clone());
+            poison(rows * out, &device);
+            let y = host(dspark_kernels::linear(x.clone(), &w));
+            let want = reference_f64(&xh, &wh, rows, inp, out);
+            let err = rel_err(&y, &want);
+            // The plain-burn body on the same device, for scale: bf16 output rounding alone is
+            // ≈ 2⁻⁹ relative.
+            let stock = host(dspark_kernels::reference::linear_f32(x, &w));
+            let stock_err = rel_err(&stock, &want);
+            println!(
+                "skinny_gemm in={inp} out={out} rows={rows}: rel err {err:.2e} (plain burn {stock_err:.2e})"
+            );
+            assert!(err <= 4e-3, "in={inp} out={out} rows={rows}: rel err {err:.3e}");
+        }
+    }
+}
+
+#[test]
+fn skinny_gemm_matches_reference_at_lm_head_width() {
+    // 151936 outputs: rows whose byte length is no multiple of the allocator's row alignment,
+    // and the widest grid. Checked on every 61st column (and the last) in float64.
+    let device = cuda();
+    let (inp, out) = (4096, 151_936);
+    let w = random(out, inp, 0.02, &device);
+    let wh = host(w.clone());
+    let mut cols: Vec<usize> = (0..out).step_by(61).collect();
+    cols.push(out - 1);
+    for rows in [1, 2, 9, 33, 64] {
+        let x = random(rows, inp, 1.0, &device);
+        let xh = host(x.clone());
+        poison(rows * out, &device);
+        let y = host(dspark_kernels::linear(x, &w));
+        assert!(y.iter().all(|v| v.is_finite()), "rows={rows}: unwritten or non-finite outputs");
+        let picked: Vec<f32> =
+            (0..rows).flat_map(|r| cols.iter().map(move |&o| (r, o))).map(|(r, o)| y[r * out + o]).collect();
+        let err = rel_err(&picked, &reference_cols(&xh, &wh, rows, inp, &cols));
+        println!("skinny_gemm in={inp} out={out} rows={rows}: rel err {err:.2e} on {} columns", cols.len());
+        assert!(err <= 4e-3, "in={inp} out={out} rows={rows}: rel err {err:.3e}");
+    }
+}
+
+#[test]
+fn skinny_gemm_is_batch_invariant() {
+    let device = cuda();
+    for &(inp, out) in &[(4096, 1024), (256, 768)] {
+        let w = random(out, inp, 0.02, &device);
+        let x = random(130, inp, 1.0, &device);
+        let all = dspark_kernels::linear(x.clone(), &w).into_data();
+        let all = all.as_bytes();
+        let row_bytes = out * 2;
+        // A row alone, a verify window, a batch of lanes: bit-identical rows.
+        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (64, 66)] {
+            let part = dspark_kernels::linear(x.clone().narrow(0, start, len), &w).into_data();
+            assert_eq!(
+                part.as_bytes(),
+                &all[start * row_bytes..(start + len) * row_bytes],
+                "in={inp} out={out}: rows {start}..{} differ between a call of {len} rows and one of 130",
+                start + len
+            );
+        }
+        println!("skinny_gemm in={inp} out={out}: rows bit-identical alone, in windows and in batches");
+    }
+}
+
+#[test]
+fn linear_falls_back_for_unsupported_shapes_and_dtypes() {
+    let device = cuda();
+    // `in` not a multiple of 32: the plain-burn body answers, with the same values.
+    let w = random(48, 40, 0.1, &device);
+    let x = random(3, 40, 1.0, &device);
+    let y = host(dspark_kernels::linear(x.clone(), &w));
+    let want = reference_f64(&host(x.clone()), &host(w.clone()), 3, 40, 48);
+    assert!(rel_err(&y, &want) <= 1e-2);
+    // f32 stays on burn's matmul.
+    let y32 = dspark_kernels::linear(x.cast(DType::F32), &w.cast(DType::F32));
+    assert_eq!(y32.dtype(), DType::F32);
+}
+
+/// A small deterministic generator for page tables.
+struct Lcg(u64);
+
+impl Lcg {
+    fn next(&mut self, n: usize) -> usize {
+        self.0 = self.0.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 33) % n as u64) as usize
+    }
+}
+
+/// Per lane: (context length, query rows, causal). Returns keys, meta and the lanes' row ranges.
+fn plan(
+    lanes: &[(usize, usize, bool)],
+    pool_rows: usize,
+    seed: u64,
+) -> (Vec<i32>, Vec<i32>, Vec<std::ops::Range<usize>>) {
+    // A shuffled pool: lanes own disjoint, scattered physical rows, as pages do.
+    let mut perm: Vec<usize> = (0..pool_rows).collect();
+    let mut rng = Lcg(seed);
+    for i in (1..perm.len()).rev() {
+        perm.swap(i, rng.next(i + 1));
+    }
+    let (mut keys, mut meta, mut ranges) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut taken, mut row) = (0, 0);
+    for &(len, rows, causal) in lanes {
+        let first = keys.len() as i32;
+        keys.extend(perm[taken..taken + len].iter().map(|&p| p as i32));
+        taken += len;
+        for i in 0..rows {
+            let visible = if causal { len - rows + i + 1 } else { len };
+            meta.extend([first, visible as i32]);
+        }
+        ranges.push(row..row + rows);
+        row += rows;
+    }
+    (keys, meta, ranges)
+}
+
+fn int_tensor<const D: usize>(
+    values: Vec<i32>,
+    shape: [usize; D],
+    device: &Device,
+) -> Tensor<D, burn::tensor::Int> {
+    let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+    Tensor::from_data(burn::tensor::TensorData::new(values, shape), opts)
+}
+
+/// Paged attention in float64: row `r`, head `h` over pool rows `keys[first .. first + count]`.
+fn attention_f64(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keys: &[i32],
+    meta: &[i32],
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+) -> Vec<f64> {
+    let rows = meta.len() / 2;
+    let groups = heads / kv_heads;
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let mut out = vec![0.0f64; rows * heads * head_dim];
+    for r in 0..rows {
+        let (first, count) = (meta[2 * r] as usize, meta[2 * r + 1] as usize);
+        for h in 0..heads {
+            let kvh = h / groups;
+            let qv = &q[(r * heads + h) * head_dim..][..head_dim];
+            let at = |pool: &[f32], j: usize| {
+                let p = keys[first + j] as usize;
+                pool[(p * kv_heads + kvh) * head_dim..][..head_dim].to_vec()
+            };
+            let scores: Vec<f64> = (0..count)
+                .map(|j| {
+                    at(k, j).iter().zip(qv).map(|(&a, &b)| f64::from(a) * f64::from(b)).sum::<f64>() * scale
+                })
+                .collect();
+            let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = w.iter().sum();
+            let o = &mut out[(r * heads + h) * head_dim..][..head_dim];
+            for (j, wj) in w.iter().enumerate() {
+                for (od, vd) in o.iter_mut().zip(at(v, j)) {
+                    *od += wj / z * f64::from(vd);
+                }
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn paged_attention_matches_reference() {
+    let device = cuda();
+    // (heads, kv_heads, head_dim): Qwen3-8B, and a narrower GQA layout.
+    for &(heads, kv_heads, head_dim) in &[(32, 8, 128), (8, 2, 64)] {
+        let pool_rows = 4096;
+        // A decode row, a causal verify window, a draft block (all keys), a long context.
+        let lanes = [(1, 1, true), (37, 8, true), (300, 8, false), (1500, 1, true), (2000, 17, true)];
+        let (keys, meta, ranges) = plan(&lanes, pool_rows, 7);
+        let rows: usize = lanes.iter().map(|l| l.1).sum();
+        let k_pool =
+            random(pool_rows, kv_heads * head_dim, 1.0, &device).reshape([pool_rows, kv_heads, head_dim]);
+        let v_pool =
+            random(pool_rows, kv_heads * head_dim, 1.0, &device).reshape([pool_rows, kv_heads, head_dim]);
+        let q = random(rows, heads * head_dim, 1.0, &device).reshape([rows, heads, head_dim]);
+        let keys_t = int_tensor(keys.clone(), [keys.len()], &device);
+        let meta_t = int_tensor(meta.clone(), [rows, 2], &device);
+        assert!(dspark_kernels::paged_attention_supported(&q, &k_pool));
+        poison(rows * heads * head_dim, &device);
+        let got = dspark_kernels::paged_attention(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t);
+        // Float64 on the host (the plain-burn body would compile a kernel per key count).
+        let want64 = attention_f64(
+            &host(q.clone().reshape([rows, heads * head_dim])),
+            &host(k_pool.clone().reshape([pool_rows, kv_heads * head_dim])),
+            &host(v_pool.clone().reshape([pool_rows, kv_heads * head_dim])),
+            &keys,
+            &meta,
+            (heads, kv_heads, head_dim),
+        );
+        let flat = |t: Tensor<3>| host(t.reshape([rows, heads * head_dim]));
+        let err = rel_err(&flat(got.clone()), &want64);
+        println!(
+            "paged_attention heads={heads}/{kv_heads} head_dim={head_dim} rows={rows}: rel err {err:.2e}"
+        );
+        assert!(err <= 1e-2, "rel err {err:.3e}");
+
+        // Each lane alone: bit-identical to its rows in the batched call.
+        let all = got.into_data();
+        let row_bytes = heads * head_dim * 2;
+        for (lane, range) in ranges.iter().enumerate() {
+            let first = meta[2 * range.start];
+            let lane_keys: Vec<i32> = keys[first as usize..first as usize + lanes[lane].0].to_vec();
+            let lane_meta: Vec<i32> =
+                meta[2 * range.start..2 * range.end].chunks(2).flat_map(|c| [0, c[1]]).collect();
+            let alone = dspark_kernels::paged_attention(
+                q.clone().narrow(0, range.start, range.len()),
+                &k_pool,
+                &v_pool,
+                &int_tensor(lane_keys.clone(), [lane_keys.len()], &device),
+                &int_tensor(lane_meta, [range.len(), 2], &device),
+            )
+            .into_data();
+            assert_eq!(
+                alone.as_bytes(),
+                &all.as_bytes()[range.start * row_bytes..range.end * row_bytes],
+                "lane {lane} differs alone and batched"
+            );
+        }
+    }
+}
