@@ -40,6 +40,9 @@ struct Args {
     /// Bytes of the copy used to measure the bandwidth ceiling.
     #[arg(long, default_value_t = 2 << 30)]
     copy_bytes: usize,
+    /// Run dspark's CUDA kernels (`on`) or burn's plain ops for every operation (`off`).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    kernels: String,
 }
 
 fn config(shape: &str) -> Qwen3Config {
@@ -79,6 +82,7 @@ fn copy_bandwidth(device: &Device, dtype: ComputeDtype, bytes: usize) -> f64 {
 
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
+    dspark_kernels::set_kernels_enabled(args.kernels == "on");
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
     let device = kind.device()?;
@@ -93,9 +97,9 @@ fn main() -> dspark::Result<()> {
     let budget = rows * model.kv_layout(16).row_bytes() + 64 * model.kv_layout(16).page_bytes() * max_lanes;
     let mut cache = PagedKvCache::new(model.kv_layout(16), budget, &device)?;
     println!(
-        "| device | dtype | shape | lanes | context | ms/step | tok/s | weight GB/step | achieved TB/s | copy TB/s | share of copy |"
+        "| device | dtype | shape | kernels | lanes | context | ms/step | tok/s | weight GB/step | achieved TB/s | copy TB/s | share of copy |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &lanes in &args.lanes {
         let seqs: Vec<_> = (0..lanes).map(|_| cache.allocate()).collect();
         // The context is built by decode steps of the timed shape (one row per lane), so the
@@ -134,10 +138,11 @@ fn main() -> dspark::Result<()> {
         let median = times[times.len() / 2];
         let achieved = step_bytes as f64 / median;
         println!(
-            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0}% |",
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} | {:.0}% |",
             args.device,
             dtype,
             args.shape,
+            args.kernels,
             lanes,
             args.context,
             median * 1e3,

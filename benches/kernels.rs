@@ -1,0 +1,153 @@
+//! Skinny GEMM benchmark: `x · Wᵀ` on the bf16 projection shapes of a Qwen3-8B target and its
+//! DSpark draft, for 1..64 rows, through `dspark_kernels::linear` with this crate's kernel and
+//! with burn's own matmul (the plain-burn body), in one process on one device.
+//!
+//! Each timing is the wall time of `--iters` back-to-back calls followed by one device sync,
+//! divided by the count; the weight rotates among enough copies that the set exceeds the L2
+//! cache twice over, so every call streams its weight from device memory. Calls through burn
+//! carry burn's per-operation host cost; the `launch floor` line (a 1×256·256×256 product)
+//! shows it, and a matrix whose time sits near it is launch-bound, not bandwidth-bound. The
+//! cuBLAS figures for the same shapes come from `benches/cublas_gemm.py` in the same device
+//! call.
+//!
+//! ```text
+//! bench-kernels --device cuda --rows 1,2,4,8,16,32,64 --iters 30
+//! bench-kernels --device cpu --shape tiny --rows 1,4 --iters 3     # smoke test
+//! ```
+
+use std::time::Instant;
+
+use burn::tensor::{DType, Device, Distribution, Tensor, TensorCreationOptions};
+use clap::Parser;
+use dspark::DeviceKind;
+
+#[path = "clock.rs"]
+mod clock;
+
+#[derive(Parser)]
+struct Args {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// qwen3-8b or tiny.
+    #[arg(long, default_value = "qwen3-8b")]
+    shape: String,
+    /// Activation rows to time.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    rows: Vec<usize>,
+    /// Timed calls per (matrix, rows, path).
+    #[arg(long, default_value_t = 30)]
+    iters: usize,
+    /// Bytes the rotating weight copies must exceed (2× the H200's 50 MB L2 by default).
+    #[arg(long, default_value_t = 100 << 20)]
+    rotate_bytes: usize,
+}
+
+/// `(name, in, out)` of each weight.
+fn matrices(shape: &str) -> Vec<(&'static str, usize, usize)> {
+    match shape {
+        "tiny" => vec![("q/o", 64, 64), ("gate/up", 64, 128), ("lm_head", 64, 512)],
+        _ => vec![
+            ("q/o proj", 4096, 4096),
+            ("k/v proj", 4096, 1024),
+            ("qkv fused", 4096, 6144),
+            ("gate/up", 4096, 12_288),
+            ("gate+up fused", 4096, 24_576),
+            ("down", 12_288, 4096),
+            ("draft fc (5 layers)", 20_480, 4096),
+            ("lm_head", 4096, 151_936),
+        ],
+    }
+}
+
+fn sync(device: &Device) {
+    device.sync().expect("device sync");
+}
+
+fn random(rows: usize, cols: usize, sigma: f64, device: &Device) -> Tensor<2> {
+    let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+    Tensor::<2>::random([rows, cols], Distribution::Normal(0.0, sigma), opts).cast(DType::BF16)
+}
+
+/// Seconds per call of `dspark_kernels::linear` over rotating weights.
+fn time_calls(x: &Tensor<2>, weights: &[Tensor<2>], iters: usize, device: &Device) -> f64 {
+    // Warm-up: compiles (and for burn's matmul, autotunes) this shape.
+    for w in weights.iter().take(2) {
+        let _ = dspark_kernels::linear(x.clone(), w);
+    }
+    sync(device);
+    let start = Instant::now();
+    for i in 0..iters {
+        let _ = dspark_kernels::linear(x.clone(), &weights[i % weights.len()]);
+    }
+    sync(device);
+    start.elapsed().as_secs_f64() / iters as f64
+}
+
+/// Largest |a − b| over the largest |b|.
+fn max_rel_diff(a: Tensor<2>, b: Tensor<2>) -> f32 {
+    let a = a.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
+    let b = b.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+    a.iter().zip(&b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
+}
+
+fn main() {
+    let args = Args::parse();
+    let kind: DeviceKind = match args.device.parse() {
+        Ok(k) => k,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+    let device = match kind.device() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(2);
+        }
+    };
+
+    println!("# Skinny GEMM, bf16 `x · Wᵀ`, {} ({}), {}\n", args.device, args.shape, clock::now_utc());
+    // Launch floor: a product too small to cost any device time.
+    let (fx, fw) = (random(1, 256, 1.0, &device), [random(256, 256, 0.05, &device)]);
+    let floor_kernel = time_calls(&fx, &fw, args.iters.max(50), &device);
+    dspark_kernels::set_kernels_enabled(false);
+    let floor_plain = time_calls(&fx, &fw, args.iters.max(50), &device);
+    dspark_kernels::set_kernels_enabled(true);
+    println!(
+        "launch floor (1×256 · 256×256): kernel {:.1} µs, plain burn {:.1} µs per call\n",
+        floor_kernel * 1e6,
+        floor_plain * 1e6
+    );
+    println!(
+        "| matrix | in | out | MB | rows | plain burn µs | kernel µs | plain TB/s | kernel TB/s | kernel speedup | max rel diff |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, inp, out) in matrices(&args.shape) {
+        let bytes = inp * out * 2;
+        let copies = args.rotate_bytes.div_ceil(bytes).clamp(1, 16);
+        let weights: Vec<Tensor<2>> = (0..copies).map(|_| random(out, inp, 0.02, &device)).collect();
+        for &rows in &args.rows {
+            let x = random(rows, inp, 1.0, &device);
+            dspark_kernels::set_kernels_enabled(false);
+            let plain = time_calls(&x, &weights, args.iters, &device);
+            let want = dspark_kernels::linear(x.clone(), &weights[0]);
+            dspark_kernels::set_kernels_enabled(true);
+            let kernel = time_calls(&x, &weights, args.iters, &device);
+            let got = dspark_kernels::linear(x.clone(), &weights[0]);
+            let diff = max_rel_diff(got, want);
+            let tbs = |s: f64| bytes as f64 / s / 1e12;
+            println!(
+                "| {name} | {inp} | {out} | {:.1} | {rows} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}× | {diff:.1e} |",
+                bytes as f64 / 1e6,
+                plain * 1e6,
+                kernel * 1e6,
+                tbs(plain),
+                tbs(kernel),
+                plain / kernel,
+            );
+        }
+    }
+}
