@@ -112,6 +112,17 @@ pub trait KvCache {
     /// [`Error::InvalidInput`] when the rows were not reserved.
     fn write(&mut self, layer: usize, seq: SeqId, start: usize, k: Tensor<3>, v: Tensor<3>) -> Result<()>;
 
+    /// Store the rows of a whole batch at once, at the physical rows `rows` (taken from
+    /// [`KvCache::physical_rows`] of reserved positions, one per row of `k`): one operation per
+    /// tensor whatever the number of sequences.
+    ///
+    /// # Shapes
+    /// `rows`: `[n]`, `k`, `v`: `[n, kv_heads, head_dim]`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] for a layer out of range or a row count that differs from `k`'s.
+    fn write_rows(&mut self, layer: usize, rows: &Tensor<1, Int>, k: Tensor<3>, v: Tensor<3>) -> Result<()>;
+
     /// Physical row indices of positions `0..len` of `seq`, to pass to [`KvCache::read`] for
     /// every layer of one forward.
     ///
@@ -355,6 +366,22 @@ impl KvCache for PagedKvCache {
         Ok(())
     }
 
+    fn write_rows(&mut self, layer: usize, rows: &Tensor<1, Int>, k: Tensor<3>, v: Tensor<3>) -> Result<()> {
+        let n = rows.dims()[0];
+        if layer >= self.layout.layers || k.dims()[0] != n || v.dims()[0] != n {
+            return Err(Error::InvalidInput(format!(
+                "write of {n} rows (k {:?}, v {:?}) to layer {layer} of {}",
+                k.dims(),
+                v.dims(),
+                self.layout.layers
+            )));
+        }
+        let assign = burn::tensor::IndexingUpdateOp::Assign;
+        self.k[layer].inplace(|t| t.select_assign(0, rows.clone(), k, assign));
+        self.v[layer].inplace(|t| t.select_assign(0, rows.clone(), v, assign));
+        Ok(())
+    }
+
     fn gather_index(&self, seq: SeqId, len: usize) -> Result<Tensor<1, Int>> {
         let rows = self.physical_rows(seq, len)?;
         Ok(Tensor::from_data(TensorData::new(rows, [len]), &self.device))
@@ -433,6 +460,41 @@ mod tests {
         assert_eq!(cache.free_pages(), 2);
         assert!(matches!(cache.free(b), Err(Error::UnknownSequence(_))));
         assert!(cache.reserve(&[(a, 1), (a, 1)]).is_err());
+    }
+
+    #[test]
+    fn a_batch_written_at_once_reads_back_as_written_row_by_row() {
+        let l = layout();
+        let mut by_seq = PagedKvCache::new(l, 8 * l.page_bytes(), &Device::flex()).unwrap();
+        let mut at_once = PagedKvCache::new(l, 8 * l.page_bytes(), &Device::flex()).unwrap();
+        let values: Vec<f32> = (0..14).map(|i| i as f32).collect();
+        let (k, v) = (rows(&values), rows(&values).mul_scalar(-1.0));
+        // Two sequences, 3 then 4 new rows, the second spilling into a second page.
+        let mut batch_rows = Vec::new();
+        for cache in [&mut by_seq, &mut at_once] {
+            let (a, b) = (cache.allocate(), cache.allocate());
+            cache.reserve(&[(a, 2), (b, 1)]).unwrap();
+            cache.reserve(&[(a, 3), (b, 4)]).unwrap();
+            batch_rows = [(a, 2..5), (b, 1..5)]
+                .into_iter()
+                .flat_map(|(s, r)| cache.physical_rows(s, r.end).unwrap()[r].to_vec())
+                .collect();
+        }
+        let (a, b) = (0, 1);
+        by_seq.write(1, a, 2, k.clone().narrow(0, 0, 3), v.clone().narrow(0, 0, 3)).unwrap();
+        by_seq.write(1, b, 1, k.clone().narrow(0, 3, 4), v.clone().narrow(0, 3, 4)).unwrap();
+        let n = batch_rows.len();
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(batch_rows, [n]), &Device::flex());
+        at_once.write_rows(1, &idx, k.clone().narrow(0, 0, 7), v.clone().narrow(0, 0, 7)).unwrap();
+        for seq in [a, b] {
+            let index = by_seq.gather_index(seq, 5).unwrap();
+            let (k1, v1) = by_seq.read(1, &index);
+            let (k2, v2) = at_once.read(1, &at_once.gather_index(seq, 5).unwrap());
+            k1.into_data().assert_eq(&k2.into_data(), true);
+            v1.into_data().assert_eq(&v2.into_data(), true);
+        }
+        assert!(at_once.write_rows(2, &idx, k.clone().narrow(0, 0, 7), v.clone().narrow(0, 0, 7)).is_err());
+        assert!(at_once.write_rows(1, &idx, k.clone().narrow(0, 0, 6), v.narrow(0, 0, 6)).is_err());
     }
 
     #[test]

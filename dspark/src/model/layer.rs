@@ -48,11 +48,13 @@ pub struct DecoderLayer {
 
 /// The page tables of one batched forward on the device, for [`dspark_kernels::paged_attention`]:
 /// every sequence's physical rows (`keys`) and, per query row, where its keys start in `keys`
-/// and how many it sees (`meta`, `[rows, 2]`). Built once per forward, read by every layer.
+/// and how many it sees (`meta`, `[rows, 2]`), and the physical rows the batch's new K/V go to
+/// (`new_rows`, in row order). Built once per forward, read by every layer.
 #[derive(Debug, Clone)]
 pub(crate) struct AttnPlan {
     pub keys: Tensor<1, Int>,
     pub meta: Tensor<2, Int>,
+    pub new_rows: Tensor<1, Int>,
 }
 
 /// Where one sequence's rows sit in a batched forward.
@@ -274,21 +276,17 @@ impl DecoderLayer {
         // 1-2. pre-norm, projections, per-head norms, RoPE.
         let (q, k, v) = self.qkv(x.clone(), cos, sin);
         // 3a. one kernel over every sequence's page table, after storing the new K/V.
+        // (The pools are looked at, then let go before the write: a live clone would make the
+        // in-place row assignment copy the whole pool.)
         if let Some(plan) = plan
-            && let Some((k_pool, v_pool)) = cache.pools(layer)
-            && dspark_kernels::paged_attention_supported(&q, &k_pool)
+            && cache
+                .pools(layer)
+                .is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_supported(&q, &k_pool))
         {
-            for s in seqs {
-                let n = s.rows.len();
-                let (k_new, v_new) = if seqs.len() == 1 {
-                    (k.clone(), v.clone())
-                } else {
-                    (k.clone().narrow(0, s.rows.start, n), v.clone().narrow(0, s.rows.start, n))
-                };
-                cache.write(layer, s.seq, s.start, k_new, v_new)?;
-            }
-            // The pools after the writes (a write may have replaced the tensors).
-            let (k_pool, v_pool) = cache.pools(layer).unwrap_or((k_pool, v_pool));
+            cache.write_rows(layer, &plan.new_rows, k, v)?;
+            let (k_pool, v_pool) = cache
+                .pools(layer)
+                .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
             let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
             return Ok(self.finish(x, attn));
         }

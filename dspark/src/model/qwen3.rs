@@ -365,9 +365,11 @@ impl Qwen3 {
         }
         let mut keys: Vec<i32> = Vec::new();
         let mut meta: Vec<i32> = Vec::new();
+        let mut new_rows: Vec<i64> = Vec::new();
         for s in seqs {
             let first = keys.len();
             let rows = cache.physical_rows(s.seq, s.start + s.rows.len())?;
+            new_rows.extend_from_slice(&rows[s.start..]);
             keys.extend(rows.into_iter().map(|r| r as i32));
             for i in 0..s.rows.len() {
                 meta.extend([first as i32, (s.start + i + 1) as i32]);
@@ -380,6 +382,7 @@ impl Qwen3 {
         Ok(Some(AttnPlan {
             keys: Tensor::from_data(TensorData::new(keys, [n]), opts()),
             meta: Tensor::from_data(TensorData::new(meta, [rows, 2]), opts()),
+            new_rows: Tensor::from_data(TensorData::new(new_rows, [rows]), &self.device),
         }))
     }
 
