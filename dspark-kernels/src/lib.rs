@@ -14,11 +14,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use burn::tensor::{Int, Tensor};
 
 static KERNELS: AtomicBool = AtomicBool::new(true);
+static PAGED_REFERENCE: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
 pub fn set_kernels_enabled(enabled: bool) {
     KERNELS.store(enabled, Ordering::Relaxed);
+}
+
+/// Route [`paged_attention`] through its plain-burn body on every device and dtype, and make
+/// [`paged_attention_runs`] say yes: the models then take their page-table path (one table per
+/// forward, K/V stored by physical row, draft blocks in scratch rows) on the CPU too, so that
+/// path is tested where the kernels do not run. Off by default; process-wide.
+pub fn set_paged_reference(enabled: bool) {
+    PAGED_REFERENCE.store(enabled, Ordering::Relaxed);
 }
 
 /// Whether this crate's GPU kernels are on (see [`set_kernels_enabled`]).
@@ -47,6 +56,83 @@ pub fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
     reference::linear(x, weight)
 }
 
+/// RMSNorm of each row (`[rows, d]`), as [`reference::rms_norm`] computes it. On CUDA in bf16 it
+/// is one kernel (a cube per row, f32 sums in an order fixed by `d`).
+pub fn rms_norm_rows(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::fused::takes_norm(&x, weight) {
+        return cuda::fused::rms_norm(x, weight, eps);
+    }
+    reference::rms_norm(x, weight, eps)
+}
+
+/// The residual add and the RMSNorm after it, `(s, RMSNorm(s)·w)` with `s = x + delta`, as
+/// [`reference::add_rms_norm`] computes them. On CUDA in bf16 it is one kernel.
+///
+/// # Shapes
+/// `x`, `delta`: `[rows, d]`, `weight`: `[d]` → (`[rows, d]`, `[rows, d]`).
+pub fn add_rms_norm(x: Tensor<2>, delta: Tensor<2>, weight: &Tensor<1>, eps: f64) -> (Tensor<2>, Tensor<2>) {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled()
+        && x.dims() == delta.dims()
+        && delta.dtype() == x.dtype()
+        && cuda::fused::takes_norm(&x, weight)
+    {
+        return cuda::fused::add_rms_norm(x, delta, weight, eps);
+    }
+    reference::add_rms_norm(x, delta, weight, eps)
+}
+
+/// Per-head RMSNorm then RoPE of `heads` heads starting at column `offset` of `x`, as
+/// [`reference::qk_norm_rope`] computes them: q or k straight out of a fused q/k/v projection.
+/// On CUDA in bf16 with a head width that is a multiple of 64 it is one kernel (a warp per row
+/// and head).
+///
+/// # Shapes
+/// `x`: `[rows, width]`, `weight`: `[head_dim]`, `cos`/`sin`: `[rows, head_dim]` →
+/// `[rows, heads, head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    x: Tensor<2>,
+    offset: usize,
+    heads: usize,
+    head_dim: usize,
+    weight: &Tensor<1>,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+    eps: f64,
+) -> Tensor<3> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled()
+        && offset + heads * head_dim <= x.dims()[1]
+        && sin.dims() == cos.dims()
+        && sin.dtype() == cos.dtype()
+        && cuda::fused::takes_qk(&x, weight, cos, head_dim)
+    {
+        return cuda::fused::qk_norm_rope(x, offset, heads, head_dim, weight, cos, sin, eps);
+    }
+    reference::qk_norm_rope(x, offset, heads, head_dim, weight, cos, sin, eps)
+}
+
+/// `silu(g)·u` over `width` columns of `g` from `g_off` and of `u` from `u_off`, as
+/// [`reference::swiglu_cols`] computes it (pass a fused gate/up output as both). On CUDA in
+/// bf16 it is one kernel.
+///
+/// # Shapes
+/// `g`: `[rows, ≥ g_off + width]`, `u`: `[rows, ≥ u_off + width]` → `[rows, width]`.
+pub fn swiglu_cols(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width: usize) -> Tensor<2> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled()
+        && g.dims()[0] == u.dims()[0]
+        && g_off + width <= g.dims()[1]
+        && u_off + width <= u.dims()[1]
+        && cuda::fused::takes_swiglu(&g, &u)
+    {
+        return cuda::fused::swiglu(g, u, g_off, u_off, width);
+    }
+    reference::swiglu_cols(g, u, g_off, u_off, width)
+}
+
 /// Whether this crate's CUDA kernels can run on `device` (a CUDA build, a CUDA device, kernels
 /// enabled). Callers use it to skip preparing kernel inputs on other devices.
 pub fn kernels_available(device: &burn::tensor::Device) -> bool {
@@ -70,6 +156,20 @@ pub fn paged_attention_supported(q: &Tensor<3>, pool: &Tensor<3>) -> bool {
     false
 }
 
+/// Whether [`paged_attention`] runs its kernel for `heads` bf16 query heads over this pool
+/// (checkable before q exists, e.g. when a forward's page tables are planned).
+pub fn paged_attention_runs(heads: usize, pool: &Tensor<3>) -> bool {
+    if PAGED_REFERENCE.load(Ordering::Relaxed) {
+        return true;
+    }
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() {
+        return cuda::attention::runs(heads, pool);
+    }
+    let _ = (heads, pool);
+    false
+}
+
 /// Attention of every query row of every lane over a paged K/V pool, in one call.
 ///
 /// Row `r` attends to the pool rows `keys[meta[r, 0] .. meta[r, 0] + meta[r, 1]]` (the lane's
@@ -90,7 +190,7 @@ pub fn paged_attention(
     meta: &Tensor<2, Int>,
 ) -> Tensor<3> {
     #[cfg(feature = "cuda")]
-    if paged_attention_supported(&q, k_pool) {
+    if !PAGED_REFERENCE.load(Ordering::Relaxed) && paged_attention_supported(&q, k_pool) {
         return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta);
     }
     reference::paged_attention(q, k_pool, v_pool, keys, meta)

@@ -62,6 +62,47 @@ pub fn swiglu(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
     silu(gate) * up
 }
 
+/// RMSNorm of `x + delta`, returning the sum too (the residual stream) — the body of
+/// [`crate::add_rms_norm`].
+///
+/// # Shapes
+/// `x`, `delta`: `[rows, d]`, `weight`: `[d]` → (`[rows, d]`, `[rows, d]`).
+pub fn add_rms_norm(x: Tensor<2>, delta: Tensor<2>, weight: &Tensor<1>, eps: f64) -> (Tensor<2>, Tensor<2>) {
+    let sum = x + delta;
+    (sum.clone(), rms_norm(sum, weight, eps))
+}
+
+/// Per-head RMSNorm and RoPE of `heads` heads read from column `offset` of `x` (q or k out of a
+/// fused q/k/v projection) — the body of [`crate::qk_norm_rope`].
+///
+/// # Shapes
+/// `x`: `[rows, width]`, `weight`: `[head_dim]`, `cos`/`sin`: `[rows, head_dim]` →
+/// `[rows, heads, head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope(
+    x: Tensor<2>,
+    offset: usize,
+    heads: usize,
+    head_dim: usize,
+    weight: &Tensor<1>,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+    eps: f64,
+) -> Tensor<3> {
+    let rows = x.dims()[0];
+    let x = x.narrow(1, offset, heads * head_dim).reshape([rows, heads, head_dim]);
+    apply_rope(rms_norm(x, weight, eps), cos, sin)
+}
+
+/// [`swiglu`] of `width` columns of `g` from `g_off` and of `u` from `u_off` (one fused gate/up
+/// output given twice, or two outputs) — the body of [`crate::swiglu_cols`].
+///
+/// # Shapes
+/// `g`: `[rows, ≥ g_off + width]`, `u`: `[rows, ≥ u_off + width]` → `[rows, width]`.
+pub fn swiglu_cols(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width: usize) -> Tensor<2> {
+    swiglu(g.narrow(1, g_off, width), u.narrow(1, u_off, width))
+}
+
 /// Which keys each query row may see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionMask {

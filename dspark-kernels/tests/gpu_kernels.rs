@@ -299,3 +299,181 @@ fn paged_attention_matches_reference() {
         }
     }
 }
+
+/// `[len]` bf16 of N(1, σ²) values: a norm weight.
+fn norm_weight(len: usize, device: &Device) -> Tensor<1> {
+    random(1, len, 0.2, device).reshape([len]).add_scalar(1.0)
+}
+
+fn host1(t: Tensor<1>) -> Vec<f32> {
+    t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+}
+
+/// `RMSNorm(row)·w` in float64.
+fn rms_f64(row: &[f64], w: &[f32], eps: f64) -> Vec<f64> {
+    let ms = row.iter().map(|v| v * v).sum::<f64>() / row.len() as f64;
+    let inv = 1.0 / (ms + eps).sqrt();
+    row.iter().zip(w).map(|(v, &w)| v * inv * f64::from(w)).collect()
+}
+
+/// The kernel must be as close to float64 as the plain-burn body is, up to a small margin, and
+/// within the bf16 bound.
+fn check_close(what: &str, got: &[f32], body: &[f32], want: &[f64]) {
+    let (e_kernel, e_body) = (rel_err(got, want), rel_err(body, want));
+    println!("{what}: kernel {e_kernel:.3e}, plain burn {e_body:.3e}");
+    assert!(e_kernel <= 6e-3 && e_kernel <= 1.5 * e_body + 1e-4, "{what}: {e_kernel} vs body {e_body}");
+}
+
+#[test]
+fn rms_norm_kernels_match_reference() {
+    let device = cuda();
+    let eps = 1e-6;
+    for &d in &[4096usize, 256, 1000] {
+        let w = norm_weight(d, &device);
+        let wh = host1(w.clone());
+        for &rows in &[1usize, 3, 17, 64] {
+            let x = random(rows, d, 1.0, &device);
+            let delta = random(rows, d, 0.5, &device);
+            let (xh, dh) = (host(x.clone()), host(delta.clone()));
+            // Plain norm.
+            poison(rows * d, &device);
+            let got = host(dspark_kernels::rms_norm_rows(x.clone(), &w, eps));
+            let body = host(dspark_kernels::reference::rms_norm(x.clone(), &w, eps));
+            let want: Vec<f64> = (0..rows)
+                .flat_map(|r| {
+                    let row: Vec<f64> = xh[r * d..(r + 1) * d].iter().map(|&v| f64::from(v)).collect();
+                    rms_f64(&row, &wh, eps)
+                })
+                .collect();
+            check_close(&format!("rms_norm d {d} rows {rows}"), &got, &body, &want);
+            // With the residual add.
+            poison(rows * d, &device);
+            let (s, y) = dspark_kernels::add_rms_norm(x.clone(), delta.clone(), &w, eps);
+            let (s_body, y_body) = dspark_kernels::reference::add_rms_norm(x.clone(), delta.clone(), &w, eps);
+            let (s, y, s_body, y_body) = (host(s), host(y), host(s_body), host(y_body));
+            assert_eq!(s, s_body, "residual sum d {d} rows {rows}: one bf16 rounding of x + delta");
+            let sums: Vec<f64> = xh.iter().zip(&dh).map(|(&a, &b)| f64::from(a) + f64::from(b)).collect();
+            let want: Vec<f64> =
+                (0..rows).flat_map(|r| rms_f64(&sums[r * d..(r + 1) * d], &wh, eps)).collect();
+            check_close(&format!("add_rms_norm d {d} rows {rows}"), &y, &y_body, &want);
+            // A row alone gives the same bits as inside the batch.
+            let last = rows - 1;
+            let alone = host(dspark_kernels::rms_norm_rows(x.clone().narrow(0, last, 1), &w, eps));
+            let batched = host(dspark_kernels::rms_norm_rows(x, &w, eps));
+            assert_eq!(alone, batched[last * d..].to_vec(), "rms_norm row {last} of {rows}, d {d}");
+        }
+    }
+}
+
+#[test]
+fn qk_norm_rope_matches_reference() {
+    let device = cuda();
+    let eps = 1e-6;
+    // (heads, kv_heads, head_dim): Qwen3-8B and a small model.
+    for &(heads, kv_heads, hd) in &[(32usize, 8usize, 128usize), (8, 2, 64)] {
+        let width = (heads + 2 * kv_heads) * hd;
+        let (wq, wk) = (norm_weight(hd, &device), norm_weight(hd, &device));
+        let rope = |rows: usize, first: usize| {
+            let half = hd / 2;
+            let mut cos = Vec::new();
+            let mut sin = Vec::new();
+            for p in first..first + rows {
+                for _ in 0..2 {
+                    for i in 0..half {
+                        let a = p as f64 / 1e6f64.powf(2.0 * i as f64 / hd as f64);
+                        cos.push(a.cos() as f32);
+                        sin.push(a.sin() as f32);
+                    }
+                }
+            }
+            let make = |v: Vec<f32>| {
+                Tensor::<2>::from_data(burn::tensor::TensorData::new(v, [rows, hd]), &device)
+                    .cast(DType::BF16)
+            };
+            (make(cos), make(sin))
+        };
+        for &rows in &[1usize, 8, 17, 64] {
+            let x = random(rows, width, 1.0, &device);
+            let xh = host(x.clone());
+            let (cos, sin) = rope(rows, 1000);
+            let (ch, sh) = (host(cos.clone()), host(sin.clone()));
+            for (what, offset, n, w) in [("q", 0, heads, &wq), ("k", heads * hd, kv_heads, &wk)] {
+                let wh = host1(w.clone());
+                poison(rows * n * hd, &device);
+                let got = dspark_kernels::qk_norm_rope(x.clone(), offset, n, hd, w, &cos, &sin, eps);
+                let body =
+                    dspark_kernels::reference::qk_norm_rope(x.clone(), offset, n, hd, w, &cos, &sin, eps);
+                let flat = |t: Tensor<3>| host(t.reshape([rows, n * hd]));
+                let (got, body) = (flat(got), flat(body));
+                let half = hd / 2;
+                let mut want = Vec::with_capacity(rows * n * hd);
+                for r in 0..rows {
+                    for h in 0..n {
+                        let at = r * width + offset + h * hd;
+                        let row: Vec<f64> = xh[at..at + hd].iter().map(|&v| f64::from(v)).collect();
+                        let y = rms_f64(&row, &wh, eps);
+                        let (c, s) = (&ch[r * hd..(r + 1) * hd], &sh[r * hd..(r + 1) * hd]);
+                        for i in 0..hd {
+                            let rot = if i < half { -y[i + half] } else { y[i - half] };
+                            want.push(y[i] * f64::from(c[i]) + rot * f64::from(s[i]));
+                        }
+                    }
+                }
+                check_close(
+                    &format!("{what} norm+rope {heads}/{kv_heads}x{hd} rows {rows}"),
+                    &got,
+                    &body,
+                    &want,
+                );
+                let last = rows - 1;
+                let alone = dspark_kernels::qk_norm_rope(
+                    x.clone().narrow(0, last, 1),
+                    offset,
+                    n,
+                    hd,
+                    w,
+                    &cos.clone().narrow(0, last, 1),
+                    &sin.clone().narrow(0, last, 1),
+                    eps,
+                );
+                assert_eq!(flat_row(alone), got[last * n * hd..].to_vec(), "{what} row {last} of {rows}");
+            }
+        }
+    }
+}
+
+fn flat_row(t: Tensor<3>) -> Vec<f32> {
+    let [rows, n, hd] = t.dims();
+    host(t.reshape([rows, n * hd]))
+}
+
+#[test]
+fn swiglu_matches_reference() {
+    let device = cuda();
+    for &width in &[12288usize, 768, 100] {
+        for &rows in &[1usize, 9, 64] {
+            // One fused gate/up output, read as two halves.
+            let gu = random(rows, 2 * width, 2.0, &device);
+            let h = host(gu.clone());
+            poison(rows * width, &device);
+            let got = host(dspark_kernels::swiglu_cols(gu.clone(), gu.clone(), 0, width, width));
+            let body = host(dspark_kernels::reference::swiglu_cols(gu.clone(), gu.clone(), 0, width, width));
+            let want: Vec<f64> = (0..rows)
+                .flat_map(|r| {
+                    let h = &h;
+                    (0..width).map(move |j| {
+                        let g = f64::from(h[r * 2 * width + j]);
+                        let u = f64::from(h[r * 2 * width + width + j]);
+                        g / (1.0 + (-g).exp()) * u
+                    })
+                })
+                .collect();
+            check_close(&format!("swiglu width {width} rows {rows}"), &got, &body, &want);
+            // Two separate tensors give the same bits as the fused layout.
+            let g = gu.clone().narrow(1, 0, width);
+            let u = gu.narrow(1, width, width);
+            let split = host(dspark_kernels::swiglu_cols(g, u, 0, 0, width));
+            assert_eq!(split, got, "swiglu width {width} rows {rows}: split vs fused layout");
+        }
+    }
+}

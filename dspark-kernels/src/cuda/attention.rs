@@ -162,16 +162,19 @@ fn paged_attention_kernel(
 /// 16-byte-aligned quarters, a whole number of query heads per K/V head.
 pub(crate) fn supported(q: &Tensor<3>, pool: &Tensor<3>) -> bool {
     let [_, heads, head_dim] = q.dims();
-    let [_, kv_heads, pool_dim] = pool.dims();
-    q.dtype() == DType::BF16
-        && pool.dtype() == DType::BF16
-        && head_dim == pool_dim
+    q.dtype() == DType::BF16 && head_dim == pool.dims()[2] && runs(heads, pool)
+}
+
+/// The pool's half of [`supported`], for `heads` bf16 query heads.
+pub(crate) fn runs(heads: usize, pool: &Tensor<3>) -> bool {
+    let [_, kv_heads, head_dim] = pool.dims();
+    pool.dtype() == DType::BF16
         && head_dim.is_multiple_of(32)
         && head_dim <= 256
         && kv_heads > 0
         && heads.is_multiple_of(kv_heads)
         && heads / kv_heads <= 32
-        && matches!(q.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+        && matches!(pool.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
 }
 
 /// Attention of `q` over the paged pool through the kernel (see [`crate::paged_attention`]).

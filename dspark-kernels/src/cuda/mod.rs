@@ -4,4 +4,5 @@
 //! `tests/gpu_kernels.rs` (GPU machine only) compare them on fresh random inputs.
 
 pub(crate) mod attention;
+pub(crate) mod fused;
 pub(crate) mod gemm;

@@ -1,0 +1,458 @@
+//! The small fused kernels around the projections: RMSNorm (with or without the residual add
+//! before it), per-head RMSNorm + RoPE of q or k, and the SwiGLU gate. Each replaces a chain of
+//! a few to a dozen elementwise and reduction launches of plain burn with one launch.
+//!
+//! Every kernel rounds to bf16 where its plain-burn body (in [`crate::reference`]) rounds, so
+//! the two differ only in the order of the f32 sum of squares. A row's sums are made in an
+//! order fixed by the row's width alone (thread-serial, then a warp butterfly, then warps in
+//! order), never by how many rows share the launch.
+
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+use half::bf16;
+
+/// Threads of a row-norm cube (eight warps).
+const NORM_THREADS: usize = 256;
+/// Threads of a SwiGLU cube.
+const SWIGLU_THREADS: usize = 256;
+
+fn on_cuda(t: &Tensor<2>) -> bool {
+    matches!(t.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+}
+
+/// `RMSNorm(x)·w`, as [`crate::reference::rms_norm`] rounds it; with `residual`, first
+/// `x ← bf16(x + delta)`, which is written to `sum` and normed.
+///
+/// One cube per row; `x`, `delta`, `sum`, `out`: `[rows, d]`, `w`: `[d]`, bf16, contiguous.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_kernel(
+    x: &[bf16],
+    delta: &[bf16],
+    w: &[bf16],
+    sum: &mut [bf16],
+    out: &mut [bf16],
+    eps: f32,
+    inv_d: f32,
+    #[comptime] d: usize,
+    #[comptime] residual: bool,
+) {
+    let row = CUBE_POS_X as usize;
+    let tid = UNIT_POS as usize;
+    let base = row * d;
+    let per_thread = comptime!(d.div_ceil(NORM_THREADS));
+    // 1. This thread's elements (after the residual add), and its sum of squares in order.
+    let mut vals = Array::<f32>::new(per_thread);
+    let mut part = 0.0f32;
+    #[unroll]
+    for j in 0..per_thread {
+        let i = j * NORM_THREADS + tid;
+        let mut v = 0.0f32;
+        if i < d {
+            v = f32::cast_from(x[base + i]);
+            if residual {
+                let s = bf16::cast_from(v + f32::cast_from(delta[base + i]));
+                sum[base + i] = s;
+                v = f32::cast_from(s);
+            }
+        }
+        vals[j] = v;
+        part += v * v;
+    }
+    // 2. Warp butterfly, then the eight warps in order.
+    let warp_sum = plane_sum(part);
+    let mut partial = Shared::<[f32]>::new_slice(NORM_THREADS / 32);
+    if tid % 32 == 0 {
+        partial[tid / 32] = warp_sum;
+    }
+    sync_cube();
+    let mut total = 0.0f32;
+    #[unroll]
+    for k in 0..NORM_THREADS / 32 {
+        total += partial[k];
+    }
+    // 3. Normalise in f32, round, scale by the weight, round.
+    let inv = 1.0f32 / f32::sqrt(total * inv_d + eps);
+    #[unroll]
+    for j in 0..per_thread {
+        let i = j * NORM_THREADS + tid;
+        if i < d {
+            let n = f32::cast_from(bf16::cast_from(vals[j] * inv));
+            out[base + i] = bf16::cast_from(n * f32::cast_from(w[i]));
+        }
+    }
+}
+
+/// Per-head `RoPE(RMSNorm(x_h)·w)` of q or k, read from column `offset` of a row that is
+/// `stride` elements wide (so q and k come straight out of a fused q/k/v projection).
+///
+/// One warp per (row, head); lane `l` holds the rotary pairs `(i, i + hd/2)`, `i = 32·j + l`,
+/// so the rotation needs no shuffles. `x`: `[rows, stride]`, `w`: `[hd]`, `cos`/`sin`:
+/// `[rows, hd]`, `out`: `[rows, heads, hd]`, bf16.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope_kernel(
+    x: &[bf16],
+    w: &[bf16],
+    cos: &[bf16],
+    sin: &[bf16],
+    out: &mut [bf16],
+    stride: u32,
+    offset: u32,
+    eps: f32,
+    inv_hd: f32,
+    #[comptime] head_dim: usize,
+) {
+    let row = CUBE_POS_X as usize;
+    let head = CUBE_POS_Y as usize;
+    let heads = CUBE_COUNT_Y as usize;
+    let lane = UNIT_POS_X as usize;
+    let half = head_dim / 2;
+    let pairs = half / 32;
+    let base = row * stride as usize + offset as usize + head * head_dim;
+    // 1. The lane's pairs and their sum of squares.
+    let mut a = Array::<f32>::new(pairs);
+    let mut b = Array::<f32>::new(pairs);
+    let mut part = 0.0f32;
+    #[unroll]
+    for j in 0..pairs {
+        let i = j * 32 + lane;
+        a[j] = f32::cast_from(x[base + i]);
+        b[j] = f32::cast_from(x[base + i + half]);
+        part += a[j] * a[j];
+        part += b[j] * b[j];
+    }
+    let total = plane_sum(part);
+    let inv = 1.0f32 / f32::sqrt(total * inv_hd + eps);
+    // 2. Norm (rounded, scaled, rounded), then rotate-half with the reference's roundings:
+    //    out_i = x_i·cos_i + (−x_{i+h})·sin_i, out_{i+h} = x_{i+h}·cos_{i+h} + x_i·sin_{i+h}.
+    let t = row * head_dim;
+    let o = (row * heads + head) * head_dim;
+    #[unroll]
+    for j in 0..pairs {
+        let i = j * 32 + lane;
+        let na = f32::cast_from(bf16::cast_from(
+            f32::cast_from(bf16::cast_from(a[j] * inv)) * f32::cast_from(w[i]),
+        ));
+        let nb = f32::cast_from(bf16::cast_from(
+            f32::cast_from(bf16::cast_from(b[j] * inv)) * f32::cast_from(w[i + half]),
+        ));
+        let lo_c = f32::cast_from(bf16::cast_from(na * f32::cast_from(cos[t + i])));
+        let lo_s = f32::cast_from(bf16::cast_from(-nb * f32::cast_from(sin[t + i])));
+        let hi_c = f32::cast_from(bf16::cast_from(nb * f32::cast_from(cos[t + i + half])));
+        let hi_s = f32::cast_from(bf16::cast_from(na * f32::cast_from(sin[t + i + half])));
+        out[o + i] = bf16::cast_from(lo_c + lo_s);
+        out[o + i + half] = bf16::cast_from(hi_c + hi_s);
+    }
+}
+
+/// `silu(g)·u` with the reference's roundings (`σ(g)`, `g·σ(g)`, the product), reading `g` and
+/// `u` from columns `g_off` and `u_off` of rows `stride` wide (one fused gate/up output, or two
+/// separate ones given twice). `out`: `[rows, width]`, bf16.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn swiglu_kernel(
+    g: &[bf16],
+    u: &[bf16],
+    out: &mut [bf16],
+    g_stride: u32,
+    g_off: u32,
+    u_stride: u32,
+    u_off: u32,
+    width: u32,
+) {
+    let row = CUBE_POS_Y as usize;
+    let j = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
+    let width = width as usize;
+    if j < width {
+        let gv = f32::cast_from(g[row * g_stride as usize + g_off as usize + j]);
+        let uv = f32::cast_from(u[row * u_stride as usize + u_off as usize + j]);
+        let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
+        let s = f32::cast_from(bf16::cast_from(gv * sig));
+        out[row * width + j] = bf16::cast_from(s * uv);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Which problems the kernels take.
+
+/// RMSNorm rows: bf16 `[rows, d]` with a bf16 weight on CUDA.
+pub(crate) fn takes_norm(x: &Tensor<2>, w: &Tensor<1>) -> bool {
+    let [rows, d] = x.dims();
+    rows > 0
+        && d > 0
+        && w.dims()[0] == d
+        && x.dtype() == DType::BF16
+        && w.dtype() == DType::BF16
+        && on_cuda(x)
+}
+
+/// Per-head norm + RoPE: bf16, a head width that is a multiple of 64 (whole pairs per lane),
+/// bf16 tables of `[rows, head_dim]`.
+pub(crate) fn takes_qk(x: &Tensor<2>, w: &Tensor<1>, cos: &Tensor<2>, head_dim: usize) -> bool {
+    let [rows, _] = x.dims();
+    rows > 0
+        && head_dim.is_multiple_of(64)
+        && w.dims()[0] == head_dim
+        && cos.dims() == [rows, head_dim]
+        && [x.dtype(), w.dtype(), cos.dtype()].iter().all(|&t| t == DType::BF16)
+        && on_cuda(x)
+}
+
+/// SwiGLU: bf16 on CUDA.
+pub(crate) fn takes_swiglu(g: &Tensor<2>, u: &Tensor<2>) -> bool {
+    g.dims()[0] > 0 && g.dtype() == DType::BF16 && u.dtype() == DType::BF16 && on_cuda(g)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launches on CubeCL tensors.
+
+fn empty_like(x: &CubeTensor, shape: burn::tensor::Shape) -> CubeTensor {
+    burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        x.client.clone(),
+        x.device.clone(),
+        shape,
+        x.dtype,
+    )
+}
+
+fn launch_norm(
+    x: CubeTensor,
+    delta: Option<CubeTensor>,
+    w: CubeTensor,
+    eps: f32,
+) -> (CubeTensor, CubeTensor) {
+    let contiguous = burn_cubecl::kernel::into_contiguous;
+    let (x, w) = (contiguous(x), contiguous(w));
+    let delta = delta.map(contiguous);
+    let [rows, d] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let client = x.client.clone();
+    let out = empty_like(&x, [rows, d].into());
+    let residual = delta.is_some();
+    // Without a residual the kernel never touches `delta` or `sum`: `x` and `out` stand in.
+    let sum = if residual { empty_like(&x, [rows, d].into()) } else { out.clone() };
+    let delta = delta.unwrap_or_else(|| x.clone());
+    let n = rows * d;
+    // SAFETY: every buffer holds `rows·d` bf16 (`w` holds `d`); cube `r` reads and writes row
+    // `r` only.
+    unsafe {
+        rms_norm_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(NORM_THREADS as u32),
+            BufferArg::from_raw_parts(x.handle.clone(), n),
+            BufferArg::from_raw_parts(delta.handle.clone(), n),
+            BufferArg::from_raw_parts(w.handle.clone(), d),
+            BufferArg::from_raw_parts(sum.handle.clone(), n),
+            BufferArg::from_raw_parts(out.handle.clone(), n),
+            eps,
+            1.0 / d as f32,
+            d,
+            residual,
+        );
+    }
+    (sum, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_qk(
+    x: CubeTensor,
+    w: CubeTensor,
+    cos: CubeTensor,
+    sin: CubeTensor,
+    offset: usize,
+    heads: usize,
+    head_dim: usize,
+    eps: f32,
+) -> CubeTensor {
+    let contiguous = burn_cubecl::kernel::into_contiguous;
+    let (x, w, cos, sin) = (contiguous(x), contiguous(w), contiguous(cos), contiguous(sin));
+    let [rows, stride] = [x.meta.shape()[0], x.meta.shape()[1]];
+    assert!(offset + heads * head_dim <= stride, "qk_norm_rope: heads past the end of the row");
+    let client = x.client.clone();
+    let out = empty_like(&x, [rows, heads, head_dim].into());
+    // SAFETY: `x` holds `rows·stride` bf16 and cube (r, h) reads row r's columns
+    // `offset + h·hd .. offset + (h+1)·hd` (checked above); tables hold `rows·hd`; cube (r, h)
+    // writes out[r, h, ..] only.
+    unsafe {
+        qk_norm_rope_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(rows as u32, heads as u32, 1),
+            CubeDim::new_1d(32),
+            BufferArg::from_raw_parts(x.handle.clone(), rows * stride),
+            BufferArg::from_raw_parts(w.handle.clone(), head_dim),
+            BufferArg::from_raw_parts(cos.handle.clone(), rows * head_dim),
+            BufferArg::from_raw_parts(sin.handle.clone(), rows * head_dim),
+            BufferArg::from_raw_parts(out.handle.clone(), rows * heads * head_dim),
+            stride as u32,
+            offset as u32,
+            eps,
+            1.0 / head_dim as f32,
+            head_dim,
+        );
+    }
+    out
+}
+
+fn launch_swiglu(g: CubeTensor, u: CubeTensor, g_off: usize, u_off: usize, width: usize) -> CubeTensor {
+    let contiguous = burn_cubecl::kernel::into_contiguous;
+    let (g, u) = (contiguous(g), contiguous(u));
+    let [rows, g_stride] = [g.meta.shape()[0], g.meta.shape()[1]];
+    let u_stride = u.meta.shape()[1];
+    assert!(g_off + width <= g_stride && u_off + width <= u_stride, "swiglu: columns past the row");
+    let client = g.client.clone();
+    let out = empty_like(&g, [rows, width].into());
+    // SAFETY: reads row r's columns `off .. off + width` of g and u (checked above), writes
+    // out[r, ..width].
+    unsafe {
+        swiglu_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(width.div_ceil(SWIGLU_THREADS) as u32, rows as u32, 1),
+            CubeDim::new_1d(SWIGLU_THREADS as u32),
+            BufferArg::from_raw_parts(g.handle.clone(), rows * g_stride),
+            BufferArg::from_raw_parts(u.handle.clone(), rows * u_stride),
+            BufferArg::from_raw_parts(out.handle.clone(), rows * width),
+            g_stride as u32,
+            g_off as u32,
+            u_stride as u32,
+            u_off as u32,
+            width as u32,
+        );
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backend extension and burn-tensor entry points.
+
+fn qk_shape(x: &burn::tensor::Shape, heads: &usize, head_dim: &usize) -> burn::tensor::Shape {
+    [x[0], *heads, *head_dim].into()
+}
+
+fn swiglu_shape(g: &burn::tensor::Shape, width: &usize) -> burn::tensor::Shape {
+    [g[0], *width].into()
+}
+
+/// The backend extension: run by CubeCL on CUDA and deferred through fusion.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait FusedOps: burn::backend::Backend {
+    /// `RMSNorm(x)·w` per row.
+    #[fusion(dtype = x, shape = x)]
+    fn rms_norm_rows(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        w: burn::backend::tensor::FloatTensor<Self>,
+        eps: f32,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+
+    /// `(s, RMSNorm(s)·w)` with `s = x + delta`.
+    #[fusion(meta = |x, _delta, _w, _eps| (x.clone(), x.clone()))]
+    fn add_rms_norm(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        delta: burn::backend::tensor::FloatTensor<Self>,
+        w: burn::backend::tensor::FloatTensor<Self>,
+        eps: f32,
+    ) -> (burn::backend::tensor::FloatTensor<Self>, burn::backend::tensor::FloatTensor<Self>);
+
+    /// Per-head norm + RoPE of `heads` heads from column `offset` of `x`.
+    #[fusion(dtype = x, shape = qk_shape(x, heads, head_dim))]
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        w: burn::backend::tensor::FloatTensor<Self>,
+        cos: burn::backend::tensor::FloatTensor<Self>,
+        sin: burn::backend::tensor::FloatTensor<Self>,
+        offset: usize,
+        heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+
+    /// `silu(g[:, g_off..])·u[:, u_off..]`, `width` columns.
+    #[fusion(dtype = g, shape = swiglu_shape(g, width))]
+    fn swiglu_cols(
+        g: burn::backend::tensor::FloatTensor<Self>,
+        u: burn::backend::tensor::FloatTensor<Self>,
+        g_off: usize,
+        u_off: usize,
+        width: usize,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+}
+
+impl FusedOps for CubeBackend {
+    fn rms_norm_rows(x: CubeTensor, w: CubeTensor, eps: f32) -> CubeTensor {
+        launch_norm(x, None, w, eps).1
+    }
+
+    fn add_rms_norm(x: CubeTensor, delta: CubeTensor, w: CubeTensor, eps: f32) -> (CubeTensor, CubeTensor) {
+        launch_norm(x, Some(delta), w, eps)
+    }
+
+    fn qk_norm_rope(
+        x: CubeTensor,
+        w: CubeTensor,
+        cos: CubeTensor,
+        sin: CubeTensor,
+        offset: usize,
+        heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> CubeTensor {
+        launch_qk(x, w, cos, sin, offset, heads, head_dim, eps)
+    }
+
+    fn swiglu_cols(g: CubeTensor, u: CubeTensor, g_off: usize, u_off: usize, width: usize) -> CubeTensor {
+        launch_swiglu(g, u, g_off, u_off, width)
+    }
+}
+
+pub(crate) fn rms_norm(x: Tensor<2>, w: &Tensor<1>, eps: f64) -> Tensor<2> {
+    let y = <Dispatch as FusedOps>::rms_norm_rows(x.into_dispatch(), w.clone().into_dispatch(), eps as f32);
+    Tensor::from_dispatch(y)
+}
+
+pub(crate) fn add_rms_norm(
+    x: Tensor<2>,
+    delta: Tensor<2>,
+    w: &Tensor<1>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    let (s, y) = <Dispatch as FusedOps>::add_rms_norm(
+        x.into_dispatch(),
+        delta.into_dispatch(),
+        w.clone().into_dispatch(),
+        eps as f32,
+    );
+    (Tensor::from_dispatch(s), Tensor::from_dispatch(y))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qk_norm_rope(
+    x: Tensor<2>,
+    offset: usize,
+    heads: usize,
+    head_dim: usize,
+    w: &Tensor<1>,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+    eps: f64,
+) -> Tensor<3> {
+    let y = <Dispatch as FusedOps>::qk_norm_rope(
+        x.into_dispatch(),
+        w.clone().into_dispatch(),
+        cos.clone().into_dispatch(),
+        sin.clone().into_dispatch(),
+        offset,
+        heads,
+        head_dim,
+        eps as f32,
+    );
+    Tensor::from_dispatch(y)
+}
+
+pub(crate) fn swiglu(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width: usize) -> Tensor<2> {
+    let y = <Dispatch as FusedOps>::swiglu_cols(g.into_dispatch(), u.into_dispatch(), g_off, u_off, width);
+    Tensor::from_dispatch(y)
+}
