@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use dspark_kernels::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
+use dspark_kernels::{AttentionMask, add_rms_norm, attention, qk_norm_rope, rms_norm_rows, swiglu_cols};
 
 use super::cpu_gemm::PackedWeight;
 use crate::device::ComputeDtype;
@@ -33,17 +33,63 @@ pub struct LayerShape {
 #[derive(Debug, Clone)]
 pub struct DecoderLayer {
     input_layernorm: Tensor<1>,
-    q_proj: Proj,
-    k_proj: Proj,
-    v_proj: Proj,
+    attn_in: AttnIn,
     o_proj: Proj,
     q_norm: Tensor<1>,
     k_norm: Tensor<1>,
     post_attention_layernorm: Tensor<1>,
-    gate_proj: Proj,
-    up_proj: Proj,
+    mlp_in: MlpIn,
     down_proj: Proj,
     shape: LayerShape,
+}
+
+/// The q/k/v projections: three weights, or (where this crate's kernels run) one `[q; k; v]`
+/// weight read in one pass, whose output the fused norm + RoPE kernel reads by column offset.
+#[derive(Debug, Clone)]
+enum AttnIn {
+    Split { q: Proj, k: Proj, v: Proj },
+    Fused(Proj),
+}
+
+/// The gate/up projections: two weights, or one `[gate; up]` weight (see [`AttnIn`]).
+#[derive(Debug, Clone)]
+enum MlpIn {
+    Split { gate: Proj, up: Proj },
+    Fused(Proj),
+}
+
+/// Whether projections that read the same input are stored as one weight: where the GPU
+/// kernels run (one launch and one pass over the weights instead of two or three). The CPU
+/// keeps them apart, so its results are those of the separate products.
+fn fuse_projections(w: &Tensor<2>) -> bool {
+    dspark_kernels::kernels_available(&w.device()) && w.dtype() == DType::BF16
+}
+
+impl AttnIn {
+    fn new(q: Tensor<2>, k: Tensor<2>, v: Tensor<2>) -> Self {
+        if fuse_projections(&q) {
+            Self::Fused(Proj::new(Tensor::cat(vec![q, k, v], 0)))
+        } else {
+            Self::Split { q: Proj::new(q), k: Proj::new(k), v: Proj::new(v) }
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Self::Split { q, .. } => q.dtype(),
+            Self::Fused(w) => w.dtype(),
+        }
+    }
+}
+
+impl MlpIn {
+    fn new(gate: Tensor<2>, up: Tensor<2>) -> Self {
+        if fuse_projections(&gate) {
+            Self::Fused(Proj::new(Tensor::cat(vec![gate, up], 0)))
+        } else {
+            Self::Split { gate: Proj::new(gate), up: Proj::new(up) }
+        }
+    }
 }
 
 /// The page tables of one batched forward on the device, for [`dspark_kernels::paged_attention`]:
@@ -57,6 +103,20 @@ pub(crate) struct AttnPlan {
     pub new_rows: Tensor<1, Int>,
 }
 
+impl AttnPlan {
+    /// The tables on `device`: `keys` and `meta` as i32 (what the kernel reads), `new_rows` as
+    /// burn's index type (what the K/V row assignment takes).
+    pub(crate) fn upload(keys: Vec<i32>, meta: Vec<i32>, new_rows: Vec<i64>, device: &Device) -> Self {
+        let opts = || burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+        let (n, rows, new) = (keys.len(), meta.len() / 2, new_rows.len());
+        Self {
+            keys: Tensor::from_data(TensorData::new(keys, [n]), opts()),
+            meta: Tensor::from_data(TensorData::new(meta, [rows, 2]), opts()),
+            new_rows: Tensor::from_data(TensorData::new(new_rows, [new]), device),
+        }
+    }
+}
+
 /// Where one sequence's rows sit in a batched forward.
 #[derive(Debug, Clone)]
 pub(crate) struct SeqRows {
@@ -65,8 +125,9 @@ pub(crate) struct SeqRows {
     pub rows: std::ops::Range<usize>,
     /// Position of the first new row (= cached length before the forward).
     pub start: usize,
-    /// Physical cache rows of positions `0..start + rows.len()`.
-    pub index: Tensor<1, Int>,
+    /// Physical cache rows of positions `0..start + rows.len()` (gathered only when the forward
+    /// has no [`AttnPlan`]).
+    pub index: Option<Tensor<1, Int>>,
 }
 
 /// `x · Wᵀ` for a weight stored `[out, in]`.
@@ -132,6 +193,15 @@ impl Proj {
         }
     }
 
+    /// `x · W[start..start + len]ᵀ`: the product with a range of the weight's output rows.
+    pub(crate) fn apply_rows(&self, x: Tensor<2>, start: usize, len: usize) -> Tensor<2> {
+        match &self.0 {
+            ProjKind::Burn { weight, transposed: false } => linear(x, &weight.clone().narrow(0, start, len)),
+            ProjKind::Burn { weight, transposed: true } => x.matmul(weight.clone().narrow(1, start, len)),
+            ProjKind::Host(_) => self.apply(x).narrow(1, start, len),
+        }
+    }
+
     /// Element type of the weight.
     pub(crate) fn dtype(&self) -> DType {
         match &self.0 {
@@ -176,12 +246,16 @@ impl DecoderLayer {
             loaded(&full);
             Ok(t)
         };
-        let q_proj = Proj::new(matrix("self_attn.q_proj.weight", [heads * head_dim, hidden])?);
-        let k_proj = Proj::new(matrix("self_attn.k_proj.weight", [kv_heads * head_dim, hidden])?);
-        let v_proj = Proj::new(matrix("self_attn.v_proj.weight", [kv_heads * head_dim, hidden])?);
+        let attn_in = AttnIn::new(
+            matrix("self_attn.q_proj.weight", [heads * head_dim, hidden])?,
+            matrix("self_attn.k_proj.weight", [kv_heads * head_dim, hidden])?,
+            matrix("self_attn.v_proj.weight", [kv_heads * head_dim, hidden])?,
+        );
         let o_proj = Proj::new(matrix("self_attn.o_proj.weight", [hidden, heads * head_dim])?);
-        let gate_proj = Proj::new(matrix("mlp.gate_proj.weight", [intermediate, hidden])?);
-        let up_proj = Proj::new(matrix("mlp.up_proj.weight", [intermediate, hidden])?);
+        let mlp_in = MlpIn::new(
+            matrix("mlp.gate_proj.weight", [intermediate, hidden])?,
+            matrix("mlp.up_proj.weight", [intermediate, hidden])?,
+        );
         let down_proj = Proj::new(matrix("mlp.down_proj.weight", [hidden, intermediate])?);
         let mut vector = |name: &str, len: usize| -> Result<Tensor<1>> {
             let full = format!("{prefix}{name}");
@@ -194,12 +268,9 @@ impl DecoderLayer {
             q_norm: vector("self_attn.q_norm.weight", head_dim)?,
             k_norm: vector("self_attn.k_norm.weight", head_dim)?,
             post_attention_layernorm: vector("post_attention_layernorm.weight", hidden)?,
-            q_proj,
-            k_proj,
-            v_proj,
+            attn_in,
             o_proj,
-            gate_proj,
-            up_proj,
+            mlp_in,
             down_proj,
             shape,
         })
@@ -215,15 +286,16 @@ impl DecoderLayer {
         let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
         Self {
             input_layernorm: ones(hidden),
-            q_proj: Proj::new(matrix(heads * head_dim, hidden)),
-            k_proj: Proj::new(matrix(kv_heads * head_dim, hidden)),
-            v_proj: Proj::new(matrix(kv_heads * head_dim, hidden)),
+            attn_in: AttnIn::new(
+                matrix(heads * head_dim, hidden),
+                matrix(kv_heads * head_dim, hidden),
+                matrix(kv_heads * head_dim, hidden),
+            ),
             o_proj: Proj::new(matrix(hidden, heads * head_dim)),
             q_norm: ones(head_dim),
             k_norm: ones(head_dim),
             post_attention_layernorm: ones(hidden),
-            gate_proj: Proj::new(matrix(intermediate, hidden)),
-            up_proj: Proj::new(matrix(intermediate, hidden)),
+            mlp_in: MlpIn::new(matrix(intermediate, hidden), matrix(intermediate, hidden)),
             down_proj: Proj::new(matrix(hidden, intermediate)),
             shape,
         }
@@ -237,7 +309,7 @@ impl DecoderLayer {
             + 3 * intermediate * hidden
             + 2 * hidden
             + 2 * head_dim;
-        elems * self.q_proj.dtype().size()
+        elems * self.attn_in.dtype().size()
     }
 
     /// Names of this layer's tensors under `prefix`.
@@ -276,13 +348,9 @@ impl DecoderLayer {
         // 1-2. pre-norm, projections, per-head norms, RoPE.
         let (q, k, v) = self.qkv(x.clone(), cos, sin);
         // 3a. one kernel over every sequence's page table, after storing the new K/V.
-        // (The pools are looked at, then let go before the write: a live clone would make the
-        // in-place row assignment copy the whole pool.)
-        if let Some(plan) = plan
-            && cache
-                .pools(layer)
-                .is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_supported(&q, &k_pool))
-        {
+        // (The pools are looked up after the write: a live clone would make the in-place row
+        // assignment copy the whole pool.)
+        if let Some(plan) = plan {
             cache.write_rows(layer, &plan.new_rows, k, v)?;
             let (k_pool, v_pool) = cache
                 .pools(layer)
@@ -300,7 +368,10 @@ impl DecoderLayer {
                 (k.clone().narrow(0, s.rows.start, n), v.clone().narrow(0, s.rows.start, n))
             };
             cache.write(layer, s.seq, s.start, k_new, v_new)?;
-            let (k_all, v_all) = cache.read(layer, &s.index);
+            let index = s.index.as_ref().ok_or_else(|| {
+                crate::error::Error::InvalidInput(format!("no gather index for sequence {}", s.seq))
+            })?;
+            let (k_all, v_all) = cache.read(layer, index);
             let q_seq = if seqs.len() == 1 { q.clone() } else { q.clone().narrow(0, s.rows.start, n) };
             outs.push(attention(q_seq, k_all, v_all, AttentionMask::Causal { first: s.start }));
         }
@@ -316,15 +387,19 @@ impl DecoderLayer {
     fn qkv(&self, x: Tensor<2>, cos: &Tensor<2>, sin: &Tensor<2>) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
         let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
         let rows = x.dims()[0];
-        let h = rms_norm(x, &self.input_layernorm, eps);
-        let q = self.q_proj.apply(h.clone()).reshape([rows, heads, head_dim]);
-        let k = self.k_proj.apply(h.clone()).reshape([rows, kv_heads, head_dim]);
-        let v = self.v_proj.apply(h).reshape([rows, kv_heads, head_dim]);
-        (
-            apply_rope(rms_norm(q, &self.q_norm, eps), cos, sin),
-            apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin),
-            v,
-        )
+        let h = rms_norm_rows(x, &self.input_layernorm, eps);
+        // Where q, k and v sit: columns of one fused output, or three outputs.
+        let (q_src, k_src, v_src, k_off, v_off) = match &self.attn_in {
+            AttnIn::Fused(w) => {
+                let y = w.apply(h);
+                (y.clone(), y.clone(), y, heads * head_dim, (heads + kv_heads) * head_dim)
+            }
+            AttnIn::Split { q, k, v } => (q.apply(h.clone()), k.apply(h.clone()), v.apply(h), 0, 0),
+        };
+        let q = qk_norm_rope(q_src, 0, heads, head_dim, &self.q_norm, cos, sin, eps);
+        let k = qk_norm_rope(k_src, k_off, kv_heads, head_dim, &self.k_norm, cos, sin, eps);
+        let v = v_src.narrow(1, v_off, kv_heads * head_dim).reshape([rows, kv_heads, head_dim]);
+        (q, k, v)
     }
 
     /// Output projection and residual, then the MLP and its residual.
@@ -332,11 +407,18 @@ impl DecoderLayer {
     /// # Shapes
     /// `x`: `[rows, hidden]`, `attn`: `[rows, heads, hd]` → `[rows, hidden]`.
     fn finish(&self, x: Tensor<2>, attn: Tensor<3>) -> Tensor<2> {
-        let LayerShape { heads, head_dim, eps, .. } = self.shape;
+        let LayerShape { heads, head_dim, intermediate, eps, .. } = self.shape;
         let rows = x.dims()[0];
-        let x = x + self.o_proj.apply(attn.reshape([rows, heads * head_dim]));
-        let h = rms_norm(x.clone(), &self.post_attention_layernorm, eps);
-        x + self.down_proj.apply(swiglu(self.gate_proj.apply(h.clone()), self.up_proj.apply(h)))
+        let delta = self.o_proj.apply(attn.reshape([rows, heads * head_dim]));
+        let (x, h) = add_rms_norm(x, delta, &self.post_attention_layernorm, eps);
+        let act = match &self.mlp_in {
+            MlpIn::Fused(w) => {
+                let y = w.apply(h);
+                swiglu_cols(y.clone(), y, 0, intermediate, intermediate)
+            }
+            MlpIn::Split { gate, up } => swiglu_cols(gate.apply(h.clone()), up.apply(h), 0, 0, intermediate),
+        };
+        x + self.down_proj.apply(act)
     }
 }
 
@@ -354,7 +436,8 @@ pub(crate) struct BlockLane {
 impl DecoderLayer {
     /// Draft-context K/V of new context rows: `K = RoPE(k_norm(k_proj c))`, `V = v_proj c` (no
     /// input norm: `c` is already the normed projection of the target features), stored in the
-    /// cache at `start..`.
+    /// cache at `start..` (through the physical rows `rows_at` when the caller has them: one
+    /// row assignment whose kernel does not depend on `start`).
     ///
     /// # Shapes
     /// `c`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]`.
@@ -365,14 +448,25 @@ impl DecoderLayer {
         start: usize,
         c: Tensor<2>,
         (cos, sin): (&Tensor<2>, &Tensor<2>),
+        rows_at: Option<&Tensor<1, Int>>,
         cache: &mut dyn KvCache,
     ) -> Result<()> {
-        let LayerShape { kv_heads, head_dim, eps, .. } = self.shape;
+        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
         let rows = c.dims()[0];
-        let k = self.k_proj.apply(c.clone()).reshape([rows, kv_heads, head_dim]);
-        let k = apply_rope(rms_norm(k, &self.k_norm, eps), cos, sin);
-        let v = self.v_proj.apply(c).reshape([rows, kv_heads, head_dim]);
-        cache.write(layer, seq, start, k, v)
+        let (k_src, v_src, v_off) = match &self.attn_in {
+            // The k and v rows of the fused weight (a view: they are contiguous rows).
+            AttnIn::Fused(w) => {
+                let y = w.apply_rows(c, heads * head_dim, 2 * kv_heads * head_dim);
+                (y.clone(), y, kv_heads * head_dim)
+            }
+            AttnIn::Split { k, v, .. } => (k.apply(c.clone()), v.apply(c), 0),
+        };
+        let k = qk_norm_rope(k_src, 0, kv_heads, head_dim, &self.k_norm, cos, sin, eps);
+        let v = v_src.narrow(1, v_off, kv_heads * head_dim).reshape([rows, kv_heads, head_dim]);
+        match rows_at {
+            Some(physical) => cache.write_rows(layer, physical, k, v),
+            None => cache.write(layer, seq, start, k, v),
+        }
     }
 
     /// One draft layer over the block rows of every lane: each block row attends, without a
@@ -410,6 +504,30 @@ impl DecoderLayer {
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 3. output projection, MLP, residuals.
         self.finish(x, attn)
+    }
+
+    /// [`DecoderLayer::forward_block`] through the paged kernel: the block's K/V go to the
+    /// scratch rows `plan.new_rows` the caller reserved after each lane's context, and every
+    /// block row attends to the keys `plan` lists for it (context and whole block).
+    ///
+    /// # Shapes
+    /// `x`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → `[rows, hidden]`.
+    pub(crate) fn forward_block_paged(
+        &self,
+        layer: usize,
+        x: Tensor<2>,
+        cos: &Tensor<2>,
+        sin: &Tensor<2>,
+        plan: &AttnPlan,
+        cache: &mut dyn KvCache,
+    ) -> Result<Tensor<2>> {
+        let (q, k, v) = self.qkv(x.clone(), cos, sin);
+        cache.write_rows(layer, &plan.new_rows, k, v)?;
+        let (k_pool, v_pool) = cache
+            .pools(layer)
+            .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
+        let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
+        Ok(self.finish(x, attn))
     }
 }
 

@@ -4,7 +4,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use dspark_kernels::rms_norm;
+use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::layer::{AttnPlan, DecoderLayer, LayerShape, Proj, SeqRows};
 use super::rope::Rope;
@@ -283,18 +283,13 @@ impl Qwen3 {
         let mut offset = 0;
         for (chunk, pos) in chunks.iter().zip(&ranges) {
             let n = chunk.tokens.len();
-            let index = match cache.gather_index(chunk.seq, pos.end) {
-                Ok(index) => index,
-                Err(e) => {
-                    self.rollback(cache, &grow, &ranges);
-                    return Err(e);
-                }
-            };
-            seqs.push(SeqRows { seq: chunk.seq, rows: offset..offset + n, start: pos.start, index });
+            seqs.push(SeqRows { seq: chunk.seq, rows: offset..offset + n, start: pos.start, index: None });
             positions.extend(pos.clone());
             offset += n;
         }
         let total = tokens.len();
+        // The kernel reads one page table for the whole batch; without it each sequence gathers
+        // its own rows.
         let plan = match self.attention_plan(&seqs, cache) {
             Ok(plan) => plan,
             Err(e) => {
@@ -302,6 +297,17 @@ impl Qwen3 {
                 return Err(e);
             }
         };
+        if plan.is_none() {
+            for (s, pos) in seqs.iter_mut().zip(&ranges) {
+                match cache.gather_index(s.seq, pos.end) {
+                    Ok(index) => s.index = Some(index),
+                    Err(e) => {
+                        self.rollback(cache, &grow, &ranges);
+                        return Err(e);
+                    }
+                }
+            }
+        }
         // 2. embed [rows, hidden]; rotary tables [rows, head_dim].
         let ids = Tensor::<1, Int>::from_data(TensorData::new(tokens, [total]), &self.device);
         let mut x = self.embed_tokens.clone().select(0, ids);
@@ -360,7 +366,8 @@ impl Qwen3 {
     /// sequence instead. Row `i` of a sequence whose new rows start at position `start` sees
     /// positions `0..=start + i` (causal).
     fn attention_plan(&self, seqs: &[SeqRows], cache: &dyn KvCache) -> Result<Option<AttnPlan>> {
-        if !dspark_kernels::kernels_available(&self.device) || cache.pools(0).is_none() {
+        let heads = self.config.num_attention_heads;
+        if !cache.pools(0).is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_runs(heads, &k_pool)) {
             return Ok(None);
         }
         let mut keys: Vec<i32> = Vec::new();
@@ -375,15 +382,7 @@ impl Qwen3 {
                 meta.extend([first as i32, (s.start + i + 1) as i32]);
             }
         }
-        let opts = || {
-            burn::tensor::TensorCreationOptions::new(self.device.clone()).with_dtype(burn::tensor::DType::I32)
-        };
-        let (n, rows) = (keys.len(), meta.len() / 2);
-        Ok(Some(AttnPlan {
-            keys: Tensor::from_data(TensorData::new(keys, [n]), opts()),
-            meta: Tensor::from_data(TensorData::new(meta, [rows, 2]), opts()),
-            new_rows: Tensor::from_data(TensorData::new(new_rows, [rows]), &self.device),
-        }))
+        Ok(Some(AttnPlan::upload(keys, meta, new_rows, &self.device)))
     }
 
     fn rollback(&self, cache: &mut dyn KvCache, grow: &[(SeqId, usize)], ranges: &[Range<usize>]) {
