@@ -380,6 +380,12 @@ impl Engine {
         &self.cache
     }
 
+    /// The draft's context pool (pages free and held), for a speculative engine whose draft
+    /// keeps one.
+    pub fn draft_pool(&self) -> Option<crate::kv_cache::PoolState> {
+        self.draft.as_ref().and_then(|d| d.context_pool())
+    }
+
     /// Statistics of the last `generate` call.
     pub fn last_stats(&self) -> &BatchStats {
         &self.last_stats

@@ -4,12 +4,13 @@
 use std::path::Path;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use dspark_kernels::rms_norm;
+use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
 use super::fp8::{DraftQuant, Fp8Counts, load_projection};
-use super::layer::{BlockLane, DecoderLayer, LayerShape, Proj};
+use super::layer::{AttnPlan, BlockLane, DecoderLayer, LayerShape, Proj};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
+use super::markov_device::DeviceMarkov;
 use super::qwen3::{LoadOptions, Qwen3};
 use super::rope::Rope;
 use crate::device::ComputeDtype;
@@ -126,6 +127,9 @@ pub struct DSparkDraft {
     rope: Rope,
     cache: PagedKvCache,
     fp8: Fp8Counts,
+    /// Device copies of the heads for the device Markov pass (where this crate's kernels run,
+    /// or when asked for with [`DSparkDraft::set_device_markov`]); `None`: the host pass.
+    device_markov: Option<DeviceMarkov>,
 }
 
 /// The draft's own weights, before they are bound to the target.
@@ -388,7 +392,13 @@ impl DSparkDraft {
         let cache = PagedKvCache::new(layout, cache.kv_budget_bytes, &device)?;
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
         let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 } = parts;
+        let device_markov = if dspark_kernels::kernels_available(&device) {
+            DeviceMarkov::new(markov.as_ref(), confidence.as_ref(), b.hidden_size, dtype, &device)
+        } else {
+            None
+        };
         Ok(Self {
+            device_markov,
             layer_ids,
             dtype,
             embed_tokens: target.embed_tokens,
@@ -405,6 +415,24 @@ impl DSparkDraft {
             config,
             fp8,
         })
+    }
+
+    /// Run the Markov pass on the device (`true`; on by default where this crate's CUDA kernels
+    /// run) or on the host in f64 (`false`). The device pass serves the vanilla head (or none);
+    /// with a gated or rnn head the host pass stays. Returns whether the device pass is now on.
+    pub fn set_device_markov(&mut self, on: bool) -> bool {
+        self.device_markov = if on {
+            DeviceMarkov::new(
+                self.markov.as_ref(),
+                self.confidence.as_ref(),
+                self.config.base.hidden_size,
+                self.dtype,
+                &self.device,
+            )
+        } else {
+            None
+        };
+        self.device_markov.is_some()
     }
 
     /// How many of the draft's projections are FP8 (stored or quantised at load), by layout.
@@ -457,32 +485,90 @@ impl DSparkDraft {
     ///
     /// # Errors
     /// [`Error::UnknownSequence`].
-    pub fn block_forward(&self, lanes: &[(SeqId, u32)]) -> Result<(Tensor<2>, Tensor<2>)> {
+    pub fn block_forward(&mut self, lanes: &[(SeqId, u32)]) -> Result<(Tensor<2>, Tensor<2>)> {
         let gamma = self.config.block_size;
         let mut ids = Vec::with_capacity(lanes.len() * gamma);
         let mut positions = Vec::with_capacity(lanes.len() * gamma);
-        let mut block = Vec::with_capacity(lanes.len());
-        for (i, &(seq, anchor)) in lanes.iter().enumerate() {
+        let mut contexts = Vec::with_capacity(lanes.len());
+        for &(seq, anchor) in lanes {
             let context = self.cache.len(seq)?;
             ids.push(i64::from(anchor));
             ids.extend(std::iter::repeat_n(i64::from(self.config.mask_token_id), gamma - 1));
             positions.extend(context..context + gamma);
-            let index = self.cache.gather_index(seq, context)?;
-            block.push(BlockLane { rows: i * gamma..(i + 1) * gamma, index, context });
+            contexts.push(context);
         }
         // 1. embed with the target's table [lanes·γ, hidden]; rotary tables at block positions.
         let n = ids.len();
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [n]), &self.device);
         let mut x = self.embed_tokens.clone().select(0, ids);
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
-        // 2. draft layers, final norm, target LM head.
-        for (l, layer) in self.layers.iter().enumerate() {
-            x = layer.forward_block(l, x, &cos, &sin, &block, &self.cache);
+        // 2. draft layers: through the paged kernel where it runs, else lane by lane.
+        match self.block_plan(lanes, &contexts)? {
+            Some(plan) => {
+                let mut run = || -> Result<Tensor<2>> {
+                    for (l, layer) in self.layers.iter().enumerate() {
+                        x = layer.forward_block_paged(l, x.clone(), &cos, &sin, &plan, &mut self.cache)?;
+                    }
+                    Ok(x.clone())
+                };
+                let out = run();
+                // The block's K/V rows were scratch: give them back whatever happened.
+                for (&(seq, _), &context) in lanes.iter().zip(&contexts) {
+                    self.cache.truncate(seq, context)?;
+                }
+                x = out?;
+            }
+            None => {
+                let mut block = Vec::with_capacity(lanes.len());
+                for (i, (&(seq, _), &context)) in lanes.iter().zip(&contexts).enumerate() {
+                    let index = self.cache.gather_index(seq, context)?;
+                    block.push(BlockLane { rows: i * gamma..(i + 1) * gamma, index, context });
+                }
+                for (l, layer) in self.layers.iter().enumerate() {
+                    x = layer.forward_block(l, x, &cos, &sin, &block, &self.cache);
+                }
+            }
         }
+        // 3. final norm, target LM head.
         let hidden = rms_norm(x, &self.norm, self.config.base.rms_norm_eps);
         let logits = self.lm_head.apply(hidden.clone());
         let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
         Ok((to32(hidden), to32(logits)))
+    }
+
+    /// Page tables for a block forward through [`dspark_kernels::paged_attention`]: each lane's
+    /// context grows by γ scratch rows for the block's own K/V (the caller truncates them after
+    /// the forward), and every block row sees the context and the whole block. `None` where the
+    /// kernel does not run, or when the draft's pool has no room for the scratch rows (the
+    /// lane-by-lane path needs none).
+    fn block_plan(&mut self, lanes: &[(SeqId, u32)], contexts: &[usize]) -> Result<Option<AttnPlan>> {
+        let gamma = self.config.block_size;
+        let heads = self.config.base.num_attention_heads;
+        if !self
+            .cache
+            .pools(0)
+            .is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_runs(heads, &k_pool))
+        {
+            return Ok(None);
+        }
+        let grow: Vec<(SeqId, usize)> = lanes.iter().map(|&(seq, _)| (seq, gamma)).collect();
+        if let Err(e) = self.cache.reserve(&grow) {
+            tracing::debug!(error = %e, "no room for the block's scratch K/V rows: lane-by-lane block attention");
+            return Ok(None);
+        }
+        let mut keys: Vec<i32> = Vec::new();
+        let mut meta: Vec<i32> = Vec::with_capacity(2 * lanes.len() * gamma);
+        let mut new_rows: Vec<i64> = Vec::with_capacity(lanes.len() * gamma);
+        for (&(seq, _), &context) in lanes.iter().zip(contexts) {
+            let first = keys.len() as i32;
+            let rows = self.cache.physical_rows(seq, context + gamma)?;
+            new_rows.extend_from_slice(&rows[context..]);
+            keys.extend(rows.into_iter().map(|r| r as i32));
+            for _ in 0..gamma {
+                meta.extend([first, (context + gamma) as i32]);
+            }
+        }
+        Ok(Some(AttnPlan::upload(keys, meta, new_rows, &self.device)))
     }
 
     /// The sequential Markov pass over one lane's block, on host rows: corrected logits per
@@ -627,8 +713,22 @@ impl Speculator for DSparkDraft {
         let range = self.cache.reserve(&[(seq, rows)])?.remove(0);
         let positions: Vec<usize> = range.clone().collect();
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
+        let heads = self.config.base.num_attention_heads;
+        let paged = self
+            .cache
+            .pools(0)
+            .is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_runs(heads, &k_pool));
+        let physical = if paged {
+            let all = self.cache.physical_rows(seq, range.end)?;
+            let new = all[range.start..].to_vec();
+            Some(Tensor::<1, Int>::from_data(TensorData::new(new, [rows]), &self.device))
+        } else {
+            None
+        };
         for (l, layer) in self.layers.iter().enumerate() {
-            if let Err(e) = layer.write_context(l, seq, range.start, c.clone(), (&cos, &sin), &mut self.cache)
+            let rope = (&cos, &sin);
+            if let Err(e) =
+                layer.write_context(l, seq, range.start, c.clone(), rope, physical.as_ref(), &mut self.cache)
             {
                 self.cache.truncate(seq, range.start)?;
                 return Err(e);
@@ -645,6 +745,26 @@ impl Speculator for DSparkDraft {
         let (h, v) = (self.config.base.hidden_size, self.config.base.vocab_size);
         let pairs: Vec<(SeqId, u32)> = lanes.iter().map(|l| (l.seq, l.anchor)).collect();
         let (hidden, logits) = self.block_forward(&pairs)?;
+        if let Some(dev) = &self.device_markov {
+            let anchors: Vec<u32> = lanes.iter().map(|l| l.anchor).collect();
+            let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
+            let positions = lanes.iter().map(|l| self.cache.len(l.seq)).collect::<Result<Vec<_>>>()?;
+            let round = dev.run(&anchors, hidden, logits, gamma, &params, &positions)?;
+            let sigmoid = |x: &f32| (1.0 / (1.0 + f64::from(-*x).exp())) as f32;
+            let proposals = round
+                .tokens
+                .into_iter()
+                .zip(round.confidence)
+                .zip(round.q)
+                .zip(lanes)
+                .map(|(((tokens, confidence), q), lane)| Proposal {
+                    tokens,
+                    q: (!lane.params.is_greedy()).then_some(q),
+                    confidence: (!confidence.is_empty()).then(|| confidence.iter().map(sigmoid).collect()),
+                })
+                .collect();
+            return Ok(proposals);
+        }
         let hidden = read_f32(hidden)?;
         let logits = read_f32(logits)?;
         let mut out = Vec::with_capacity(lanes.len());

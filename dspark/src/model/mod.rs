@@ -6,6 +6,7 @@ mod dspark_draft;
 pub mod fp8;
 mod layer;
 mod markov;
+mod markov_device;
 mod qwen3;
 mod rope;
 

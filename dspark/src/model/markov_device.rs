@@ -1,0 +1,168 @@
+//! The Markov pass on the device, for the vanilla head (or none): the γ sequential steps of a
+//! block for every lane at once, each step a gather of `W1[prev]`, one product with `W2` over
+//! the vocabulary, the add to the base logits and the choice of the token, without leaving the
+//! device when every lane decodes greedily (one read of the γ tokens and confidences at the
+//! end). When a lane samples, each step's corrected logits are read back and the token is drawn
+//! on the host exactly as [`super::dspark_draft::DSparkDraft::markov_pass`] draws it (f64
+//! softmax, the same coin), so the proposal `q` is the distribution actually sampled from.
+//!
+//! The bias `W2 · W1[prev]` is computed in the draft's dtype (f32 accumulation on the bf16
+//! kernel path) instead of the host pass's f64: the draft's choices may differ on near-ties,
+//! which changes acceptance, never the output distribution.
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+
+use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
+use crate::device::ComputeDtype;
+use crate::engine::read_f32;
+use crate::error::{Error, Result};
+use crate::model::draft_config::MarkovHeadType;
+use crate::sampling::{SamplingParams, Stream, coin, sample_weights};
+
+/// Device copies of the Markov and confidence heads.
+#[derive(Debug, Clone)]
+pub(crate) struct DeviceMarkov {
+    /// `markov_w1` `[V, r]` and `markov_w2` `[V, r]` in the draft's dtype; `None` without a head.
+    w: Option<(Tensor<2>, Tensor<2>)>,
+    confidence: Option<DeviceConfidence>,
+    device: Device,
+}
+
+#[derive(Debug, Clone)]
+struct DeviceConfidence {
+    /// `[H, 1]` f32: the weights on the block hidden row.
+    w_h: Tensor<2>,
+    /// `[r, 1]` f32: the weights on `W1[prev]`, when the head reads it.
+    w_e: Option<Tensor<2>>,
+    bias: f32,
+}
+
+/// What the device pass chose for each lane.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct DeviceRound {
+    /// `[lane][k]` draft tokens.
+    pub tokens: Vec<Vec<u32>>,
+    /// `[lane][k]` pre-sigmoid confidence logits (empty without a confidence head).
+    pub confidence: Vec<Vec<f32>>,
+    /// `[lane][k]` proposal distributions of sampling lanes (empty for greedy lanes).
+    pub q: Vec<Vec<Vec<f64>>>,
+}
+
+impl DeviceMarkov {
+    /// Upload the heads; `None` for the gated and rnn heads, which stay on the host pass.
+    pub(crate) fn new(
+        markov: Option<&MarkovHead>,
+        confidence: Option<&ConfidenceHead>,
+        hidden: usize,
+        dtype: ComputeDtype,
+        device: &Device,
+    ) -> Option<Self> {
+        let upload = |values: &[f32], dims: [usize; 2], dtype: DType| {
+            let t = Tensor::<2>::from_data(TensorData::new(values.to_vec(), dims), device);
+            if dtype == DType::F32 { t } else { t.cast(dtype) }
+        };
+        let w = match markov {
+            None => None,
+            Some(m) if m.kind == MarkovHeadType::Vanilla => {
+                let v = m.w1.len() / m.rank;
+                Some((upload(&m.w1, [v, m.rank], dtype.dtype()), upload(&m.w2, [v, m.rank], dtype.dtype())))
+            }
+            Some(_) => return None,
+        };
+        let confidence = confidence.map(|c| DeviceConfidence {
+            w_h: upload(&c.weight[..hidden], [hidden, 1], DType::F32),
+            w_e: (c.with_markov && c.weight.len() > hidden)
+                .then(|| upload(&c.weight[hidden..], [c.weight.len() - hidden, 1], DType::F32)),
+            bias: c.bias,
+        });
+        Some(Self { w, confidence, device: device.clone() })
+    }
+
+    /// The γ steps for every lane: `hidden` `[lanes·γ, H]` and `base` `[lanes·γ, V]` (f32) from
+    /// the block forward; lane `i` starts from `anchors[i]`, samples with `params[i]`, and its
+    /// block decides positions `positions[i] + 1 ..` (the keys of its sampling coins).
+    pub(crate) fn run(
+        &self,
+        anchors: &[u32],
+        hidden: Tensor<2>,
+        base: Tensor<2>,
+        gamma: usize,
+        params: &[&SamplingParams],
+        positions: &[usize],
+    ) -> Result<DeviceRound> {
+        let lanes = anchors.len();
+        let [_, h] = hidden.dims();
+        let [_, v] = base.dims();
+        let hidden = hidden.reshape([lanes, gamma, h]);
+        let base = base.reshape([lanes, gamma, v]);
+        let greedy = params.iter().all(|p| p.is_greedy());
+        let ids =
+            |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [lanes]), &self.device);
+        let mut prev = ids(anchors.iter().map(|&a| i64::from(a)).collect());
+        let mut round = DeviceRound {
+            tokens: vec![Vec::with_capacity(gamma); lanes],
+            confidence: vec![Vec::new(); lanes],
+            q: vec![Vec::new(); lanes],
+        };
+        let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
+        let mut conf: Vec<Tensor<2>> = Vec::with_capacity(gamma);
+        for k in 0..gamma {
+            // 1. corrected logits of step k: base + W2 · W1[prev].
+            let e = self.w.as_ref().map(|(w1, _)| w1.clone().select(0, prev.clone()));
+            let mut row = base.clone().narrow(1, k, 1).reshape([lanes, v]);
+            if let (Some(e), Some((_, w2))) = (&e, &self.w) {
+                let bias = dspark_kernels::linear(e.clone(), w2);
+                row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
+            }
+            // 2. confidence of step k: w_h · h_k (+ w_e · W1[prev]) + b.
+            if let Some(c) = &self.confidence {
+                let h_k = hidden.clone().narrow(1, k, 1).reshape([lanes, h]);
+                let mut z = h_k.matmul(c.w_h.clone());
+                if let (Some(w_e), Some(e)) = (&c.w_e, &e) {
+                    let e = if e.dtype() == DType::F32 { e.clone() } else { e.clone().cast(DType::F32) };
+                    z = z + e.matmul(w_e.clone());
+                }
+                conf.push(z.add_scalar(c.bias));
+            }
+            // 3. the token: argmax on the device, or drawn on the host.
+            if greedy {
+                let t: Tensor<2, Int> = row.argmax(1);
+                prev = t.clone().reshape([lanes]);
+                chosen.push(t);
+            } else {
+                let host = read_f32(row)?;
+                let mut next = Vec::with_capacity(lanes);
+                for (i, logits) in host.chunks(v).enumerate() {
+                    let logits: Vec<f64> = logits.iter().map(|&x| f64::from(x)).collect();
+                    let p = params[i];
+                    let token = if p.is_greedy() {
+                        argmax_f64(&logits)
+                    } else {
+                        let q = softmax_t(&logits, f64::from(p.temperature));
+                        let u = coin(p.seed, Stream::Draft, positions[i] + k + 1);
+                        let t = sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits));
+                        round.q[i].push(q);
+                        t
+                    };
+                    round.tokens[i].push(token);
+                    next.push(i64::from(token));
+                }
+                prev = ids(next);
+            }
+        }
+        if greedy {
+            let tokens = Tensor::cat(chosen, 1).into_data().convert::<i64>();
+            let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+            for (i, row) in tokens.chunks(gamma).enumerate() {
+                round.tokens[i] = row.iter().map(|&t| t as u32).collect();
+            }
+        }
+        if !conf.is_empty() {
+            let values = read_f32(Tensor::cat(conf, 1))?;
+            for (i, row) in values.chunks(gamma).enumerate() {
+                round.confidence[i] = row.to_vec();
+            }
+        }
+        Ok(round)
+    }
+}
