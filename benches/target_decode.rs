@@ -43,6 +43,10 @@ struct Args {
     /// Run dspark's CUDA kernels (`on`) or burn's plain ops for every operation (`off`).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     kernels: String,
+    /// Verify-window widths to time at one lane (rows per forward, logits for every row), each
+    /// beside the one-row step of the same run; empty to skip.
+    #[arg(long, value_delimiter = ',', default_value = "8,16")]
+    windows: Vec<usize>,
 }
 
 fn config(shape: &str) -> Qwen3Config {
@@ -156,5 +160,79 @@ fn main() -> dspark::Result<()> {
             cache.free(seq)?;
         }
     }
+    if !args.windows.is_empty() {
+        verify_windows(&args, &model, &mut cache, &device)?;
+    }
+    Ok(())
+}
+
+/// One lane: the median time of a one-row step and of a forward over each window width (a
+/// verify step: logits of every row, argmax, readback; the rows are dropped again so the
+/// context stays put), all in this run.
+fn verify_windows(
+    args: &Args,
+    model: &Qwen3,
+    cache: &mut PagedKvCache,
+    device: &Device,
+) -> dspark::Result<()> {
+    let seq = cache.allocate();
+    let vocab = model.vocab_size() as u32;
+    let step = |tokens: &[u32], cache: &mut PagedKvCache| -> dspark::Result<(f64, u32)> {
+        sync(device);
+        let t = Instant::now();
+        let out = model.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], cache)?;
+        let ids: Tensor<2, Int> = out.logits.expect("logits requested").argmax(1);
+        let ids = ids.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
+        Ok((t.elapsed().as_secs_f64(), ids[ids.len() - 1] as u32 % vocab))
+    };
+    let mut next = 100u32;
+    for _ in 0..args.context {
+        next = step(&[next], cache)?.1;
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut one = Vec::new();
+    for _ in 0..args.steps {
+        let (t, id) = step(&[next], cache)?;
+        one.push(t);
+        next = id;
+    }
+    let one = median(one);
+    println!();
+    println!("| device | dtype | shape | kernels | rows per forward | context | ms | × one-row step |");
+    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {} | {} | {} | 1 | {} | {:.2} | 1.00 |",
+        args.device,
+        args.dtype,
+        args.shape,
+        args.kernels,
+        args.context,
+        one * 1e3
+    );
+    for &w in &args.windows {
+        let tokens: Vec<u32> = (0..w as u32).map(|i| (next + 31 * i) % vocab).collect();
+        let mut times = Vec::new();
+        for _ in 0..args.steps.max(3) {
+            let len = cache.len(seq)?;
+            times.push(step(&tokens, cache)?.0);
+            cache.truncate(seq, len)?;
+        }
+        let t = median(times);
+        eprintln!("window {w}: {:.2} ms", t * 1e3);
+        println!(
+            "| {} | {} | {} | {} | {w} | {} | {:.2} | {:.2} |",
+            args.device,
+            args.dtype,
+            args.shape,
+            args.kernels,
+            args.context,
+            t * 1e3,
+            t / one
+        );
+    }
+    cache.free(seq)?;
     Ok(())
 }

@@ -225,3 +225,120 @@ fn cuda_bf16_trained_pair_greedy_speculative_equals_target_only() {
     }
     println!("cuda bf16 trained pair: tau {:.3}", (accepted + rounds) as f64 / rounds as f64);
 }
+
+/// Qwen3-8B's shape (36 layers, hidden 4096, 32/8 heads of 128, FFN 12288, vocab 151936).
+fn qwen3_8b() -> dspark::Qwen3Config {
+    serde_json::from_value(serde_json::json!({
+        "vocab_size": 151_936, "hidden_size": 4096, "intermediate_size": 12_288, "num_hidden_layers": 36,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 1_000_000, "max_position_embeddings": 40960,
+        "tie_word_embeddings": false
+    }))
+    .unwrap()
+}
+
+/// Rows of a forward's f32 logits, on the host.
+fn logit_rows(
+    target: &Qwen3,
+    cache: &mut dspark::PagedKvCache,
+    seq: dspark::SeqId,
+    tokens: &[u32],
+) -> Vec<f32> {
+    use dspark::{LogitRows, SeqChunk};
+    let out = target.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], cache).unwrap();
+    out.logits.unwrap().into_data().convert::<f32>().try_into_vec::<f32>().unwrap()
+}
+
+#[test]
+fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
+    // Issue 4 item 4 at the flagship shapes with random bf16 weights: a row's logits are the same
+    // bits whether it is computed in a one-row decode step, inside a verify window, in a long
+    // prefill or beside other lanes; so greedy speculative output equals target-only output bit
+    // for bit, and `score` sees exactly the log-probabilities of generation.
+    use dspark::model::{MarkovHeadType, default_target_layer_ids};
+    use dspark::{DSparkConfig, KvCache, PagedKvCache, TargetBinding};
+
+    let config = qwen3_8b();
+    let target = || Qwen3::random(config.clone(), ComputeDtype::Bf16, CUDA).unwrap();
+    let lanes = 4;
+    let new_tokens = 256;
+    // Prompts of different lengths, ids spread over the vocabulary.
+    let prompts: Vec<Vec<u32>> = (0..lanes)
+        .map(|l| (0..5 + 11 * l).map(|i| ((i * 7919 + l * 104_729) % 151_000) as u32).collect())
+        .collect();
+    let requests: Vec<Request> = prompts
+        .iter()
+        .map(|p| Request { prompt: p.clone(), params: SamplingParams::greedy(new_tokens) })
+        .collect();
+
+    // 1. Target-only: all lanes together, then each alone.
+    let mut plain = Engine::new(target(), &EngineConfig::default()).unwrap();
+    let together = plain.generate(&requests).unwrap();
+    for (i, request) in requests.iter().enumerate() {
+        let alone = plain.generate(std::slice::from_ref(request)).unwrap().remove(0);
+        let first = alone.tokens.iter().zip(&together[i].tokens).position(|(a, b)| a != b);
+        println!("qwen3-8b shapes, lane {i}: alone vs batched first divergence {first:?}");
+        assert_eq!(first, None, "lane {i}: decoded alone and batched differ");
+    }
+
+    // 2. Speculative with a random DSpark-shaped draft (γ = 7): verify windows of 8 rows for
+    //    several lanes at once, bonus tokens from inside the windows.
+    let t = target();
+    let mut base = config.clone();
+    base.num_hidden_layers = 5;
+    let draft_config = DSparkConfig {
+        base,
+        block_size: 7,
+        target_layer_ids: Some(default_target_layer_ids(36, 5)),
+        mask_token_id: 151_669,
+        markov_rank: 256,
+        markov_head_type: MarkovHeadType::Vanilla,
+        enable_confidence_head: true,
+        confidence_head_with_markov: true,
+        num_target_layers: Some(36),
+    };
+    let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
+    let draft = DSparkDraft::random(draft_config, TargetBinding::of(&t), &cache).unwrap();
+    let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
+    let fast = spec.generate(&requests).unwrap();
+    for (i, (f, p)) in fast.iter().zip(&together).enumerate() {
+        let first = f.tokens.iter().zip(&p.tokens).position(|(a, b)| a != b);
+        println!(
+            "qwen3-8b shapes, lane {i}: speculative vs target-only first divergence {first:?}, {} rounds",
+            f.stats.rounds
+        );
+        assert_eq!(first, None, "lane {i}: speculative and target-only differ");
+        assert_eq!(f.tokens.len(), p.tokens.len());
+    }
+
+    // 3. One text's logits: one long forward vs prompt prefill then windows of 1, 8 and 17 rows
+    //    (decode steps and verify windows), bit for bit; and `score` equals their log-softmax.
+    let text: Vec<u32> = prompts[1].iter().chain(&together[1].tokens).copied().collect();
+    let inputs = &text[..text.len() - 1];
+    let target = plain.target();
+    let mut kv = PagedKvCache::new(target.kv_layout(16), 4 << 30, target.device()).unwrap();
+    let one = kv.allocate();
+    let long = logit_rows(target, &mut kv, one, inputs);
+    let pieces = kv.allocate();
+    let mut windowed = logit_rows(target, &mut kv, pieces, &inputs[..prompts[1].len()]);
+    let mut at = prompts[1].len();
+    for width in [1usize, 1, 1, 8, 17, 8, 1].into_iter().cycle() {
+        if at >= inputs.len() {
+            break;
+        }
+        let end = (at + width).min(inputs.len());
+        windowed.extend(logit_rows(target, &mut kv, pieces, &inputs[at..end]));
+        at = end;
+    }
+    let vocab = 151_936;
+    let differing = long.chunks(vocab).zip(windowed.chunks(vocab)).filter(|(a, b)| a != b).count();
+    println!("qwen3-8b shapes: {differing} of {} rows differ between one forward and windows", inputs.len());
+    assert_eq!(differing, 0, "logit rows depend on the window they were computed in");
+    let scored = plain.score(&text).unwrap();
+    for (i, row) in windowed.chunks(vocab).enumerate() {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        let sum: f64 = row.iter().map(|&x| f64::from(x - max).exp()).sum();
+        let lp = f64::from(row[text[i + 1] as usize] - max) - sum.ln();
+        assert!((f64::from(scored[i]) - lp).abs() < 1e-4, "row {i}: score {} vs {lp}", scored[i]);
+    }
+}
