@@ -1,0 +1,195 @@
+//! Draft-round benchmark at real shapes with random weights (issue 4 item 3): a Qwen3-8B-shaped
+//! target and DSpark-shaped drafts (γ = 7 with the confidence head, as released; γ = 16
+//! without, as SpecForge exports), built on the device. For each layout, in one run:
+//!
+//! - the target's one-row decode step and its verify step of γ + 1 rows (logits of every row,
+//!   argmax, readback);
+//! - the draft's context extension by 4 committed rows (fc, hidden norm, K/V of every draft
+//!   layer), and a full proposal — block forward, LM-head rows, Markov loop, confidence, and `q`
+//!   when sampling — greedy and at temperature 1;
+//! - the speedup over target-only these times imply at acceptance τ:
+//!   `τ · step / (extend + propose + verify)`.
+//!
+//! Medians of `--reps` runs after `--warmup` untimed ones. Prints a markdown table.
+//!
+//! ```text
+//! bench-draft --device cuda --dtype bf16 --layouts 7c,16 --reps 20
+//! bench-draft --device cpu --dtype f32 --shape tiny --reps 3          # smoke test
+//! ```
+
+#[path = "shapes.rs"]
+mod shapes;
+
+use std::time::Instant;
+
+use burn::tensor::{Device, Distribution, Int, Tensor, TensorCreationOptions};
+use clap::Parser;
+use dspark::{
+    ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, KvCache, LogitRows, PagedKvCache, ProposeLane,
+    Qwen3, SamplingParams, SeqChunk, Speculator, TargetBinding,
+};
+
+#[derive(Parser)]
+struct Args {
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cuda")]
+    device: String,
+    /// f32, bf16 or f16.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// qwen3-8b or tiny.
+    #[arg(long, default_value = "qwen3-8b")]
+    shape: String,
+    /// Draft layouts: γ, with a `c` suffix for the confidence head (`7c`: released; `16`:
+    /// SpecForge export).
+    #[arg(long, value_delimiter = ',', default_value = "7c,16")]
+    layouts: Vec<String>,
+    /// Context rows before timing (target and draft).
+    #[arg(long, default_value_t = 64)]
+    context: usize,
+    /// Untimed repetitions before timing.
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Timed repetitions (medians are reported).
+    #[arg(long, default_value_t = 20)]
+    reps: usize,
+    /// Acceptance lengths τ at which to report the implied speedup.
+    #[arg(long, value_delimiter = ',', default_value = "3.35,6.0")]
+    tau: Vec<f64>,
+}
+
+fn sync(device: &Device) {
+    device.sync().expect("device sync");
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Median seconds of `f` over `reps` runs after `warmup`, the device synchronised around each.
+fn time(
+    device: &Device,
+    warmup: usize,
+    reps: usize,
+    mut f: impl FnMut() -> dspark::Result<()>,
+) -> dspark::Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        sync(device);
+        let t = Instant::now();
+        f()?;
+        sync(device);
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(times))
+}
+
+fn main() -> dspark::Result<()> {
+    let args = Args::parse();
+    let kind: DeviceKind = args.device.parse()?;
+    let dtype: ComputeDtype = args.dtype.parse()?;
+    let device = kind.device()?;
+    let config = shapes::qwen3(&args.shape).map_err(dspark::Error::InvalidInput)?;
+    let t = Instant::now();
+    let target = Qwen3::random(config.clone(), dtype, kind)?;
+    sync(&device);
+    eprintln!("built {} target in {:.1} s", args.shape, t.elapsed().as_secs_f64());
+    let vocab = target.vocab_size() as u32;
+    let layout = target.kv_layout(16);
+    let mut cache = PagedKvCache::new(
+        layout,
+        (args.context + 64) * layout.row_bytes() + 8 * layout.page_bytes(),
+        &device,
+    )?;
+    let seq = cache.allocate();
+    let prompt: Vec<u32> = (0..args.context as u32).map(|i| (17 + 31 * i) % vocab).collect();
+    target.forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &[], &mut cache)?;
+    // A target forward of `tokens` as a decode or verify step; the rows are dropped again.
+    let mut step = |tokens: &[u32]| -> dspark::Result<()> {
+        let len = cache.len(seq)?;
+        let out = target.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], &mut cache)?;
+        let ids: Tensor<2, Int> = out.logits.expect("logits").argmax(1);
+        let _ = ids.into_data();
+        cache.truncate(seq, len)
+    };
+    let one_row = time(&device, args.warmup, args.reps, || step(&[11]))?;
+    eprintln!("target one-row step {:.2} ms", one_row * 1e3);
+
+    let mut header = String::from(
+        "| device | dtype | draft | γ | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
+    );
+    let mut rule = String::from("|---|---|---|---|---|---|---|---|---|---|---|");
+    for tau in &args.tau {
+        header.push_str(&format!(" implied speedup τ={tau} |"));
+        rule.push_str("---|");
+    }
+    println!("{header}\n{rule}");
+    for spec in &args.layouts {
+        let confidence = spec.ends_with('c');
+        let gamma: usize = spec
+            .trim_end_matches('c')
+            .parse()
+            .map_err(|_| dspark::Error::InvalidInput(format!("layout {spec:?}: want e.g. 7c or 16")))?;
+        let mut draft_config = shapes::dspark(&args.shape, &config);
+        draft_config.block_size = gamma;
+        draft_config.enable_confidence_head = confidence;
+        let window: Vec<u32> = (0..=gamma as u32).map(|i| (101 + 7 * i) % vocab).collect();
+        let verify = time(&device, args.warmup, args.reps, || step(&window))?;
+        let cache_config = DraftCacheConfig { kv_budget_bytes: 512 << 20, ..DraftCacheConfig::default() };
+        let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?;
+        let width = draft.feature_layers().len() * config.hidden_size;
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+        let features =
+            |rows: usize| Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), opts.clone());
+        let dseq = draft.begin();
+        draft.extend_context(dseq, features(args.context))?;
+        // Extension by 4 rows, undone by truncating the draft's context (`end` + `begin` would
+        // also do, but this keeps the context length fixed for the proposals).
+        let extend = {
+            let mut times = Vec::new();
+            for i in 0..args.warmup + args.reps {
+                let f = features(4);
+                sync(&device);
+                let t = Instant::now();
+                draft.extend_context(dseq, f)?;
+                sync(&device);
+                if i >= args.warmup {
+                    times.push(t.elapsed().as_secs_f64());
+                }
+            }
+            median(times)
+        };
+        let greedy = SamplingParams::greedy(gamma);
+        let sampled = SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy(gamma) };
+        let mut propose = |params: &SamplingParams| -> dspark::Result<f64> {
+            let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
+            time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))
+        };
+        let (p_greedy, p_sampled) = (propose(&greedy)?, propose(&sampled)?);
+        let round = extend + p_greedy + verify;
+        let mut row = format!(
+            "| {} | {} | {} | {gamma} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            args.device,
+            dtype,
+            if confidence { "confidence" } else { "no confidence" },
+            one_row * 1e3,
+            verify * 1e3,
+            verify / one_row,
+            extend * 1e3,
+            p_greedy * 1e3,
+            p_sampled * 1e3,
+            round * 1e3
+        );
+        for tau in &args.tau {
+            row.push_str(&format!(" {:.2}× |", tau * one_row / round));
+        }
+        println!("{row}");
+        eprintln!("{row}");
+        draft.end(dseq)?;
+    }
+    Ok(())
+}
