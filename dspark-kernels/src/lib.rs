@@ -133,6 +133,21 @@ pub fn swiglu_cols(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width
     reference::swiglu_cols(g, u, g_off, u_off, width)
 }
 
+/// Index of each row's largest value, the lowest on ties (NaN skipped; 0 when nothing exceeds
+/// −∞): greedy decoding's choice, as [`reference::argmax_rows`] makes it. On CUDA for f32 rows it
+/// is one kernel (a cube per row) whose result is exact whatever the split, and only the ids
+/// need to leave the device.
+///
+/// # Shapes
+/// `x`: `[rows, width]` → `[rows]`.
+pub fn argmax_rows(x: Tensor<2>) -> Tensor<1, Int> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::fused::takes_argmax(&x) {
+        return cuda::fused::argmax(x);
+    }
+    reference::argmax_rows(x)
+}
+
 /// Whether this crate's CUDA kernels can run on `device` (a CUDA build, a CUDA device, kernels
 /// enabled). Callers use it to skip preparing kernel inputs on other devices.
 pub fn kernels_available(device: &burn::tensor::Device) -> bool {

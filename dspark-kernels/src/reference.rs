@@ -103,6 +103,36 @@ pub fn swiglu_cols(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width
     swiglu(g.narrow(1, g_off, width), u.narrow(1, u_off, width))
 }
 
+/// Index of each row's largest value: the lowest index on ties, NaN skipped, 0 when no value
+/// exceeds −∞ — the rule of greedy decoding. The body of [`crate::argmax_rows`]: the rows are
+/// read back and scanned on the host.
+///
+/// # Shapes
+/// `x`: `[rows, width]` → `[rows]` (i64 on `x`'s device).
+///
+/// # Panics
+/// If `x` cannot be read back as f32 (a device error).
+pub fn argmax_rows(x: Tensor<2>) -> Tensor<1, Int> {
+    let [rows, width] = x.dims();
+    let device = x.device();
+    let values = x.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 rows");
+    let ids: Vec<i64> = values
+        .chunks(width.max(1))
+        .take(rows)
+        .map(|row| {
+            let (mut best, mut best_value) = (0usize, f32::NEG_INFINITY);
+            for (i, &v) in row.iter().enumerate() {
+                if v > best_value {
+                    best = i;
+                    best_value = v;
+                }
+            }
+            best as i64
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [rows]), &device)
+}
+
 /// Which keys each query row may see.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttentionMask {
@@ -188,6 +218,33 @@ pub fn paged_attention(
 mod tests {
     use super::*;
     use burn::tensor::{Device, Distribution};
+
+    #[test]
+    fn argmax_rows_takes_the_lowest_index_of_the_max_and_skips_nan() {
+        let device = Device::flex();
+        let inf = f32::INFINITY;
+        let rows: Vec<f32> = vec![
+            1.0,
+            3.0,
+            3.0,
+            2.0, // tie: lowest index
+            f32::NAN,
+            -1.0,
+            f32::NAN,
+            -2.0, // NaN skipped
+            -inf,
+            -inf,
+            -inf,
+            -inf, // nothing above −∞: 0
+            0.0,
+            0.0,
+            inf,
+            5.0, // +∞ wins
+        ];
+        let x = Tensor::<2>::from_data(TensorData::new(rows, [4, 4]), &device);
+        let ids = argmax_rows(x).into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+        assert_eq!(ids, vec![1, 1, 0, 2]);
+    }
 
     /// The paged body over scattered pool rows equals causal attention over each lane's
     /// gathered keys, and a block row seeing every key equals unmasked attention.

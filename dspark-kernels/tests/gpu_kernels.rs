@@ -477,3 +477,36 @@ fn swiglu_matches_reference() {
         }
     }
 }
+
+#[test]
+fn argmax_rows_matches_reference() {
+    let device = cuda();
+    for &(rows, width) in &[(1usize, 151_936usize), (8, 151_936), (17, 1000), (64, 4096), (3, 7)] {
+        // bf16-rounded values: ties among the largest are common, as in real logits.
+        let x = random(rows, width, 3.0, &device).cast(DType::F32);
+        let mut h = host(x.clone());
+        // Plant exact ties, a NaN and a row of −∞.
+        h[0] = f32::NAN;
+        if width > 10 {
+            let max = h[..width].iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+            h[width - 1] = max;
+            h[5] = max;
+        }
+        if rows > 2 {
+            h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+        }
+        let x = Tensor::<2>::from_data(burn::tensor::TensorData::new(h.clone(), [rows, width]), &device);
+        poison(rows * 2, &device);
+        let got =
+            dspark_kernels::argmax_rows(x.clone()).into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+        let want = dspark_kernels::reference::argmax_rows(x)
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap();
+        assert_eq!(got, want, "argmax rows {rows} x {width}");
+        if width > 10 {
+            assert_eq!(got[0], 5, "the lowest index of a tie");
+        }
+    }
+}

@@ -456,3 +456,125 @@ pub(crate) fn swiglu(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, wid
     let y = <Dispatch as FusedOps>::swiglu_cols(g.into_dispatch(), u.into_dispatch(), g_off, u_off, width);
     Tensor::from_dispatch(y)
 }
+
+// ---------------------------------------------------------------------------------------------
+// Argmax of f32 rows.
+
+/// Threads of an argmax cube.
+const ARGMAX_THREADS: usize = 256;
+
+/// Merge two (value, index) candidates: the larger value, the lower index on equal values.
+#[cube]
+fn better(v: f32, i: u32, v_o: f32, i_o: u32) -> (f32, u32) {
+    let mut out_v = v;
+    let mut out_i = i;
+    if v_o > v || (v_o == v && i_o < i) {
+        out_v = v_o;
+        out_i = i_o;
+    }
+    (out_v, out_i)
+}
+
+/// The index of each row's largest value, the lowest on ties, NaN skipped, 0 when no value
+/// exceeds −∞ (the host `argmax` of `dspark::sampling`). One cube per row; each thread scans
+/// its strided elements in increasing order, then the candidates merge by an order-free rule,
+/// so the result is exact and the same however the work is split.
+#[cube(launch_unchecked)]
+fn argmax_kernel(x: &[f32], out: &mut [i32], width: u32) {
+    let row = CUBE_POS_X as usize;
+    let tid = UNIT_POS;
+    let width = width as usize;
+    let mut best_v = f32::new(f32::NEG_INFINITY);
+    // No candidate yet: an index no row has.
+    let mut best_i = 0xFFFF_FFFFu32;
+    let mut i = tid as usize;
+    while i < width {
+        let v = x[row * width + i];
+        if v > best_v {
+            best_v = v;
+            best_i = i as u32;
+        }
+        i += ARGMAX_THREADS;
+    }
+    #[unroll]
+    for level in 0..5u32 {
+        let mask = 1u32 << level;
+        let (v, j) = better(best_v, best_i, plane_shuffle_xor(best_v, mask), plane_shuffle_xor(best_i, mask));
+        best_v = v;
+        best_i = j;
+    }
+    let mut values = Shared::<[f32]>::new_slice(ARGMAX_THREADS / 32);
+    let mut indices = Shared::<[u32]>::new_slice(ARGMAX_THREADS / 32);
+    if tid % 32 == 0 {
+        values[(tid / 32) as usize] = best_v;
+        indices[(tid / 32) as usize] = best_i;
+    }
+    sync_cube();
+    if tid == 0 {
+        let mut v = values[0];
+        let mut j = indices[0];
+        #[unroll]
+        for w in 1..ARGMAX_THREADS / 32 {
+            let (nv, nj) = better(v, j, values[w], indices[w]);
+            v = nv;
+            j = nj;
+        }
+        let mut result = 0i32;
+        if j != 0xFFFF_FFFFu32 {
+            result = j as i32;
+        }
+        out[row] = result;
+    }
+}
+
+/// Argmax rows: f32 `[rows, width]` on CUDA.
+pub(crate) fn takes_argmax(x: &Tensor<2>) -> bool {
+    let [rows, width] = x.dims();
+    rows > 0 && width > 0 && width < i32::MAX as usize && x.dtype() == DType::F32 && on_cuda(x)
+}
+
+fn launch_argmax(x: CubeTensor) -> CubeTensor {
+    let x = burn_cubecl::kernel::into_contiguous(x);
+    let [rows, width] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let client = x.client.clone();
+    let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        [rows].into(),
+        DType::I32,
+    );
+    // SAFETY: cube r reads row r of x (`rows·width` f32) and writes out[r] (`rows` i32).
+    unsafe {
+        argmax_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(ARGMAX_THREADS as u32),
+            BufferArg::from_raw_parts(x.handle.clone(), rows * width),
+            BufferArg::from_raw_parts(out.handle.clone(), rows),
+            width as u32,
+        );
+    }
+    out
+}
+
+fn rows_shape(x: &burn::tensor::Shape) -> burn::tensor::Shape {
+    [x[0]].into()
+}
+
+/// The backend extension for the argmax.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait ArgmaxOps: burn::backend::Backend {
+    /// Lowest index of each row's maximum, i32.
+    #[fusion(dtype = DType::I32, shape = rows_shape(x))]
+    fn argmax_rows(x: burn::backend::tensor::FloatTensor<Self>) -> burn::backend::tensor::IntTensor<Self>;
+}
+
+impl ArgmaxOps for CubeBackend {
+    fn argmax_rows(x: CubeTensor) -> CubeTensor {
+        launch_argmax(x)
+    }
+}
+
+pub(crate) fn argmax(x: Tensor<2>) -> Tensor<1, burn::tensor::Int> {
+    Tensor::from_dispatch(<Dispatch as ArgmaxOps>::argmax_rows(x.into_dispatch()))
+}

@@ -418,6 +418,13 @@ impl Engine {
     }
 }
 
+/// Copy token ids (any integer dtype) to the host.
+pub(crate) fn read_ids(t: Tensor<1, Int>) -> Result<Vec<u32>> {
+    let ids = t.into_data().convert::<i64>();
+    let ids = ids.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+    Ok(ids.into_iter().map(|i| i as u32).collect())
+}
+
 /// Copy a float tensor to the host as f32.
 pub(crate) fn read_f32<const D: usize>(t: Tensor<D>) -> Result<Vec<f32>> {
     t.try_into_vec_as::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))

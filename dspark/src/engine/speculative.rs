@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use super::core::{Engine, RoundRecord, StepOutput, VerifyPolicy, read_f32};
+use super::core::{Engine, RoundRecord, StepOutput, VerifyPolicy, read_f32, read_ids};
 use super::schedule;
 use crate::accept::{chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
@@ -81,7 +81,15 @@ impl Engine {
             .collect();
         let output = self.target.forward(&chunks, &layers, &mut self.cache)?;
         self.stats.forward_passes += 1;
-        let logits = read_f32(output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?)?;
+        let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
+        // Every lane greedy where the kernels run: only the target's argmax ids leave the device.
+        let greedy_ids = self.running.iter().all(|l| l.request.params.is_greedy())
+            && dspark_kernels::kernels_available(&logits_t.device());
+        let (logits, argmax_ids) = if greedy_ids {
+            (Vec::new(), read_ids(dspark_kernels::argmax_rows(logits_t))?)
+        } else {
+            (read_f32(logits_t)?, Vec::new())
+        };
         let features =
             output.features.clone().ok_or_else(|| Error::Backend("no features captured".into()))?;
         let verified_at = Instant::now();
@@ -97,11 +105,18 @@ impl Engine {
             let params = &l.request.params;
             let (m, position) = (counts[i], positions[i]);
             let drafts = &windows[i][1..];
-            let rows: Vec<&[f32]> =
-                output.logit_rows[i].clone().map(|r| &logits[r * vocab..(r + 1) * vocab]).collect();
+            let rows: Vec<&[f32]> = if greedy_ids {
+                Vec::new()
+            } else {
+                output.logit_rows[i].clone().map(|r| &logits[r * vocab..(r + 1) * vocab]).collect()
+            };
             // 4. accept: greedy prefix match, or chain rejection with the residual.
             let verdict = if params.is_greedy() {
-                let target_argmax: Vec<u32> = rows.iter().map(|r| argmax(r)).collect();
+                let target_argmax: Vec<u32> = if greedy_ids {
+                    output.logit_rows[i].clone().map(|r| argmax_ids[r]).collect()
+                } else {
+                    rows.iter().map(|r| argmax(r)).collect()
+                };
                 greedy_verify(drafts, &target_argmax, None)?
             } else {
                 let p: Vec<Vec<f64>> = rows.iter().map(|r| target_probs(r, params)).collect();

@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use super::core::{
     BatchStats, Engine, FinishReason, Generation, GenerationStats, Live, Request, RequestId, StepEvent,
-    StepOutput, TokenEvent, Waiting, read_f32,
+    StepOutput, TokenEvent, Waiting, read_f32, read_ids,
 };
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, PoolState};
@@ -436,12 +436,23 @@ impl Engine {
         let output = self.target.forward(&chunks, &[], &mut self.cache)?;
         self.stats.forward_passes += 1;
         let logits = output.logits.ok_or_else(|| Error::Backend("forward returned no logits".into()))?;
-        let host = read_f32(logits)?;
+        // Every lane greedy where the kernels run: only the argmax ids leave the device.
+        let greedy_ids = self.running.iter().all(|l| l.request.params.is_greedy())
+            && dspark_kernels::kernels_available(&logits.device());
+        let (host, ids) = if greedy_ids {
+            (Vec::new(), read_ids(dspark_kernels::argmax_rows(logits))?)
+        } else {
+            (read_f32(logits)?, Vec::new())
+        };
         let vocab = self.target.vocab_size();
         let mut emits = Vec::with_capacity(self.running.len());
         for (row, l) in self.running.iter_mut().enumerate() {
             let position = l.request.prompt.len() + l.tokens.len();
-            l.next = sample_token(&host[row * vocab..(row + 1) * vocab], &l.request.params, position);
+            l.next = if greedy_ids {
+                ids[row]
+            } else {
+                sample_token(&host[row * vocab..(row + 1) * vocab], &l.request.params, position)
+            };
             l.stats.rounds += 1;
             emits.push((l.id, l.next));
         }

@@ -126,9 +126,10 @@ impl DeviceMarkov {
             }
             // 3. the token: argmax on the device, or drawn on the host.
             if greedy {
-                let t: Tensor<2, Int> = row.argmax(1);
-                prev = t.clone().reshape([lanes]);
-                chosen.push(t);
+                // Lowest index on ties, as the host pass chooses.
+                let t = dspark_kernels::argmax_rows(row);
+                chosen.push(t.clone().reshape([lanes, 1]));
+                prev = t;
             } else {
                 let host = read_f32(row)?;
                 let mut next = Vec::with_capacity(lanes);
