@@ -4,15 +4,12 @@
 //! the same corrected logits with the same coins).
 #![allow(clippy::unwrap_used)]
 
-use std::path::PathBuf;
+mod common;
 
+use common::{heldout_prompts, models};
 use dspark::{
     DSparkDraft, DraftCacheConfig, Engine, EngineConfig, LoadOptions, Qwen3, Request, SamplingParams,
 };
-
-fn models() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
-}
 
 fn target() -> Qwen3 {
     Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap()
@@ -31,18 +28,6 @@ fn engine(device_markov: bool) -> Engine {
     Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap()
 }
 
-fn prompts() -> Vec<Vec<u32>> {
-    let text = std::fs::read_to_string(models().join("report.json")).unwrap();
-    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
-    report["draft"]["eval"]["rust_crosscheck_T0"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .take(4)
-        .map(|c| serde_json::from_value(c["prompt_ids"].clone()).unwrap())
-        .collect()
-}
-
 fn tau(out: &[dspark::Generation]) -> f64 {
     let generated: usize = out.iter().map(|g| g.tokens.len() - 1).sum();
     let rounds: usize = out.iter().map(|g| g.stats.rounds).sum();
@@ -51,7 +36,7 @@ fn tau(out: &[dspark::Generation]) -> f64 {
 
 #[test]
 fn device_markov_pass_is_lossless_and_agrees_with_the_host_pass() {
-    let prompts = prompts();
+    let prompts = heldout_prompts(4);
     let (mut on, mut off) = (engine(true), engine(false));
     let mut plain = Engine::new(target(), &EngineConfig::default()).unwrap();
 

@@ -178,12 +178,6 @@ fn spec_greedy(dtype: ComputeDtype, strict: bool) {
 
 /// The trained pair of `models/` (`DSPARK_MODELS` overrides the path, for binaries run on the
 /// GPU machine).
-fn models() -> std::path::PathBuf {
-    std::env::var_os("DSPARK_MODELS")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
-}
-
 #[test]
 fn cuda_bf16_trained_pair_greedy_speculative_equals_target_only() {
     // bf16 on CUDA runs the skinny GEMM (every projection and the LM head) and the paged
@@ -259,7 +253,11 @@ fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
     use dspark::{DSparkConfig, KvCache, PagedKvCache, TargetBinding};
 
     let config = qwen3_8b();
-    let target = || Qwen3::random(config.clone(), ComputeDtype::Bf16, CUDA).unwrap();
+    // The same weights for both engines: the device generator reseeded before each build.
+    let target = || {
+        CUDA.device().unwrap().seed(8);
+        Qwen3::random(config.clone(), ComputeDtype::Bf16, CUDA).unwrap()
+    };
     let lanes = 4;
     let new_tokens = 256;
     // Prompts of different lengths, ids spread over the vocabulary.

@@ -7,17 +7,11 @@
 
 mod common;
 
-use std::path::PathBuf;
-
-use common::checks;
+use common::{checks, heldout_prompts, models};
 use dspark::{
     ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, KvCache, LoadOptions,
     Qwen3, Request, SamplingParams,
 };
-
-fn models() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
-}
 
 #[test]
 fn page_table_path_matches_golden_and_keeps_speculation_lossless() {
@@ -35,16 +29,9 @@ fn page_table_path_matches_golden_and_keeps_speculation_lossless() {
 
     // 3. The trained pair: greedy speculative output equals target-only output, several lanes
     //    at once, and the draft's pool is whole again afterwards (scratch rows given back).
-    let text = std::fs::read_to_string(models().join("report.json")).unwrap();
-    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let cases = report["draft"]["eval"]["rust_crosscheck_T0"].as_array().unwrap().clone();
-    let requests: Vec<Request> = cases
-        .iter()
-        .take(4)
-        .map(|c| Request {
-            prompt: serde_json::from_value(c["prompt_ids"].clone()).unwrap(),
-            params: SamplingParams::greedy(48),
-        })
+    let requests: Vec<Request> = heldout_prompts(4)
+        .into_iter()
+        .map(|prompt| Request { prompt, params: SamplingParams::greedy(48) })
         .collect();
     let load = || Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap();
     let target = load();

@@ -17,6 +17,27 @@ pub fn golden() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/golden"))
 }
 
+/// The shipped trained pair (`models/`); `DSPARK_MODELS` overrides the path.
+pub fn models() -> PathBuf {
+    std::env::var_os("DSPARK_MODELS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
+}
+
+/// The held-out prompts of the trained pair's Rust cross-check (`models/report.json`), at most
+/// `n` of them.
+pub fn heldout_prompts(n: usize) -> Vec<Vec<u32>> {
+    let text = std::fs::read_to_string(models().join("report.json")).unwrap();
+    let report: Value = serde_json::from_str(&text).unwrap();
+    report["draft"]["eval"]["rust_crosscheck_T0"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(n)
+        .map(|c| serde_json::from_value(c["prompt_ids"].clone()).unwrap())
+        .collect()
+}
+
 pub fn cases() -> Value {
     let text = std::fs::read_to_string(golden().join("cases.json")).unwrap();
     serde_json::from_str(&text).unwrap()
