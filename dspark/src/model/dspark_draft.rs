@@ -24,7 +24,9 @@ use crate::weights::Checkpoint;
 /// Draft KV settings.
 #[derive(Debug, Clone)]
 pub struct DraftCacheConfig {
-    /// Bytes for the draft's context K/V.
+    /// Bytes for the draft's context K/V. Where the paged attention kernel runs, a block forward
+    /// also holds γ scratch rows per lane for the block's own K/V (given back after the
+    /// forward); without room for them the block attends lane by lane instead.
     pub kv_budget_bytes: usize,
     /// Rows per page.
     pub page_size: usize,
