@@ -68,3 +68,50 @@ fn device_markov_pass_is_lossless_and_agrees_with_the_host_pass() {
     }
     eprintln!("sampled tau: device pass {:.3}, host pass {:.3}", tau(&x), tau(&y));
 }
+
+#[test]
+fn device_markov_proposals_match_the_host_pass() {
+    use dspark::{KvCache, LogitRows, PagedKvCache, ProposeLane, SeqChunk, Speculator};
+    let t = target();
+    let mut d = DSparkDraft::load(
+        &models().join("tiny-code-dspark"),
+        &t,
+        LoadOptions::default(),
+        &DraftCacheConfig::default(),
+    )
+    .unwrap();
+    let prompt = heldout_prompts(1).remove(0);
+    let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
+    let seq = cache.allocate();
+    let layers = d.feature_layers().to_vec();
+    let out = t
+        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
+        .unwrap();
+    let dseq = d.begin();
+    d.extend_context(dseq, out.features.unwrap()).unwrap();
+    let greedy = SamplingParams::greedy(8);
+    let sampled = SamplingParams { temperature: 0.8, seed: 3, ..SamplingParams::greedy(8) };
+    let anchor = *prompt.last().unwrap();
+    for params in [&greedy, &sampled] {
+        let lane = [ProposeLane { seq: dseq, anchor, params }];
+        d.set_device_markov(true);
+        let on = d.propose(&lane).unwrap().remove(0);
+        d.set_device_markov(false);
+        let off = d.propose(&lane).unwrap().remove(0);
+        assert_eq!(on.tokens, off.tokens, "T = {}", params.temperature);
+        let (c_on, c_off) = (on.confidence.unwrap(), off.confidence.unwrap());
+        let dc = c_on.iter().zip(&c_off).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(dc < 1e-5, "confidence differs by {dc}: {c_on:?} vs {c_off:?}");
+        if let (Some(q_on), Some(q_off)) = (&on.q, &off.q) {
+            let dq = q_on
+                .iter()
+                .flatten()
+                .zip(q_off.iter().flatten())
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0, f64::max);
+            assert!(dq < 1e-6, "q differs by {dq}");
+        } else {
+            assert!(params.is_greedy() && on.q.is_none() && off.q.is_none());
+        }
+    }
+}

@@ -30,9 +30,9 @@ pub(crate) struct DeviceMarkov {
 
 #[derive(Debug, Clone)]
 struct DeviceConfidence {
-    /// `[H, 1]` f32: the weights on the block hidden row.
+    /// `[1, H]` f32: the weights on the block hidden row.
     w_h: Tensor<2>,
-    /// `[r, 1]` f32: the weights on `W1[prev]`, when the head reads it.
+    /// `[1, r]` f32: the weights on `W1[prev]`, when the head reads it.
     w_e: Option<Tensor<2>>,
     bias: f32,
 }
@@ -70,9 +70,9 @@ impl DeviceMarkov {
             Some(_) => return None,
         };
         let confidence = confidence.map(|c| DeviceConfidence {
-            w_h: upload(&c.weight[..hidden], [hidden, 1], DType::F32),
+            w_h: upload(&c.weight[..hidden], [1, hidden], DType::F32),
             w_e: (c.with_markov && c.weight.len() > hidden)
-                .then(|| upload(&c.weight[hidden..], [c.weight.len() - hidden, 1], DType::F32)),
+                .then(|| upload(&c.weight[hidden..], [1, c.weight.len() - hidden], DType::F32)),
             bias: c.bias,
         });
         Some(Self { w, confidence, device: device.clone() })
@@ -115,12 +115,14 @@ impl DeviceMarkov {
                 row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
             }
             // 2. confidence of step k: w_h · h_k (+ w_e · W1[prev]) + b.
+            // (Products and row sums, not burn's matmul: its kernels for these shapes cost far
+            // more than the arithmetic.)
             if let Some(c) = &self.confidence {
                 let h_k = hidden.clone().narrow(1, k, 1).reshape([lanes, h]);
-                let mut z = h_k.matmul(c.w_h.clone());
+                let mut z = (h_k * c.w_h.clone()).sum_dim(1);
                 if let (Some(w_e), Some(e)) = (&c.w_e, &e) {
                     let e = if e.dtype() == DType::F32 { e.clone() } else { e.clone().cast(DType::F32) };
-                    z = z + e.matmul(w_e.clone());
+                    z = z + (e * w_e.clone()).sum_dim(1);
                 }
                 conf.push(z.add_scalar(c.bias));
             }
