@@ -57,6 +57,18 @@ pub trait Speculator {
     /// [`crate::Error::KvCacheFull`], [`crate::Error::UnknownSequence`].
     fn extend_context(&mut self, seq: SeqId, features: Tensor<2>) -> Result<()>;
 
+    /// [`Speculator::extend_context`] for several lanes at once (each sequence once). The
+    /// default extends them one by one; a draft that can do them in one pass overrides it.
+    ///
+    /// # Errors
+    /// As [`Speculator::extend_context`].
+    fn extend_contexts(&mut self, items: &[(SeqId, Tensor<2>)]) -> Result<()> {
+        for (seq, features) in items {
+            self.extend_context(*seq, features.clone())?;
+        }
+        Ok(())
+    }
+
     /// Propose γ tokens for every lane, in one batched pass.
     ///
     /// # Errors

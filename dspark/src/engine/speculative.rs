@@ -96,6 +96,8 @@ impl Engine {
         self.stats.verify_time += verified_at - drafted_at;
         let vocab = self.target.vocab_size();
         let ids: Vec<_> = self.running.iter().map(|l| l.id).collect();
+        let mut extend = Vec::with_capacity(ids.len());
+        let mut committed = Vec::with_capacity(ids.len());
         for (i, id) in ids.into_iter().enumerate() {
             let l = self
                 .running
@@ -154,10 +156,15 @@ impl Engine {
             let (seq, draft_seq) = (l.seq, l.draft_seq);
             self.cache.truncate(seq, position + a + 1)?;
             let lane_rows = output.rows[i].clone();
-            let d = self.draft.as_mut().ok_or_else(|| Error::Backend("draft vanished".into()))?;
             let dseq = draft_seq.ok_or_else(|| Error::Backend("lane without a draft sequence".into()))?;
-            d.extend_context(dseq, features.clone().narrow(0, lane_rows.start, a + 1))?;
-            self.check_lengths(seq, dseq, position + a + 1)?;
+            extend.push((dseq, features.clone().narrow(0, lane_rows.start, a + 1)));
+            committed.push((seq, dseq, position + a + 1));
+        }
+        // 7. every continuing lane's committed rows into the draft's context, in one call.
+        let d = self.draft.as_mut().ok_or_else(|| Error::Backend("draft vanished".into()))?;
+        d.extend_contexts(&extend)?;
+        for (seq, dseq, len) in committed {
+            self.check_lengths(seq, dseq, len)?;
         }
         self.stats.commit_time += verified_at.elapsed();
         Ok(())

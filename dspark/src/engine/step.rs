@@ -391,14 +391,15 @@ impl Engine {
         let first = self.running.len();
         self.running.extend(lanes);
         if let Some(features) = &output.features {
+            let mut items = Vec::with_capacity(output.rows.len());
             for (i, rows) in output.rows.iter().enumerate() {
                 let l = &self.running[first + i];
                 let seq =
                     l.draft_seq.ok_or_else(|| Error::Backend("lane without a draft sequence".into()))?;
-                let d =
-                    self.draft.as_mut().ok_or_else(|| Error::Backend("features without a draft".into()))?;
-                d.extend_context(seq, features.clone().narrow(0, rows.start, rows.len()))?;
+                items.push((seq, features.clone().narrow(0, rows.start, rows.len())));
             }
+            let d = self.draft.as_mut().ok_or_else(|| Error::Backend("features without a draft".into()))?;
+            d.extend_contexts(&items)?;
         } else if self.draft.is_some() {
             return Err(Error::Backend("no features captured".into()));
         }

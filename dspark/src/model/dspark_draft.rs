@@ -573,6 +573,61 @@ impl DSparkDraft {
         Ok(Some(AttnPlan::upload(keys, meta, new_rows, &self.device)))
     }
 
+    /// Whether this draft's K/V go through the page-table path (the paged attention kernel
+    /// runs, or its reference was asked for).
+    fn paged(&self) -> bool {
+        let heads = self.config.base.num_attention_heads;
+        self.cache.pools(0).is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_runs(heads, &k_pool))
+    }
+
+    /// Context extension of several lanes in one pass: one projection over all their rows, one
+    /// K/V product and one row assignment per layer, whatever the number of lanes (each row's
+    /// result does not depend on the rows beside it on this path). All or nothing: on an error
+    /// every lane keeps its old length.
+    fn extend_paged(&mut self, items: &[(SeqId, Tensor<2>)]) -> Result<()> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let grow: Vec<(SeqId, usize)> = items.iter().map(|(seq, f)| (*seq, f.dims()[0])).collect();
+        let features = if items.len() == 1 {
+            items[0].1.clone()
+        } else {
+            Tensor::cat(items.iter().map(|(_, f)| f.clone()).collect(), 0)
+        };
+        let c = self.context_projection(features);
+        let ranges = self.cache.reserve(&grow)?;
+        let result = (|| -> Result<()> {
+            let mut positions = Vec::new();
+            let mut physical = Vec::new();
+            for (&(seq, _), range) in grow.iter().zip(&ranges) {
+                positions.extend(range.clone());
+                physical.extend_from_slice(&self.cache.physical_rows(seq, range.end)?[range.start..]);
+            }
+            let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
+            let n = physical.len();
+            let rows = Tensor::<1, Int>::from_data(TensorData::new(physical, [n]), &self.device);
+            // (With physical rows given, the sequence and start arguments are not used.)
+            for (l, layer) in self.layers.iter().enumerate() {
+                layer.write_context(
+                    l,
+                    grow[0].0,
+                    0,
+                    c.clone(),
+                    (&cos, &sin),
+                    Some(&rows),
+                    &mut self.cache,
+                )?;
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            for (&(seq, _), range) in grow.iter().zip(&ranges) {
+                self.cache.truncate(seq, range.start)?;
+            }
+        }
+        result
+    }
+
     /// The sequential Markov pass over one lane's block, on host rows: corrected logits per
     /// step, the chosen tokens, `q` when sampling, confidence per step.
     ///
@@ -710,31 +765,31 @@ impl Speculator for DSparkDraft {
     }
 
     fn extend_context(&mut self, seq: SeqId, features: Tensor<2>) -> Result<()> {
+        if self.paged() {
+            return self.extend_paged(&[(seq, features)]);
+        }
         let rows = features.dims()[0];
         let c = self.context_projection(features);
         let range = self.cache.reserve(&[(seq, rows)])?.remove(0);
         let positions: Vec<usize> = range.clone().collect();
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
-        let heads = self.config.base.num_attention_heads;
-        let paged = self
-            .cache
-            .pools(0)
-            .is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_runs(heads, &k_pool));
-        let physical = if paged {
-            let all = self.cache.physical_rows(seq, range.end)?;
-            let new = all[range.start..].to_vec();
-            Some(Tensor::<1, Int>::from_data(TensorData::new(new, [rows]), &self.device))
-        } else {
-            None
-        };
         for (l, layer) in self.layers.iter().enumerate() {
-            let rope = (&cos, &sin);
             if let Err(e) =
-                layer.write_context(l, seq, range.start, c.clone(), rope, physical.as_ref(), &mut self.cache)
+                layer.write_context(l, seq, range.start, c.clone(), (&cos, &sin), None, &mut self.cache)
             {
                 self.cache.truncate(seq, range.start)?;
                 return Err(e);
             }
+        }
+        Ok(())
+    }
+
+    fn extend_contexts(&mut self, items: &[(SeqId, Tensor<2>)]) -> Result<()> {
+        if self.paged() {
+            return self.extend_paged(items);
+        }
+        for (seq, features) in items {
+            self.extend_context(*seq, features.clone())?;
         }
         Ok(())
     }
