@@ -17,6 +17,10 @@
 //! bench-draft --device cpu --dtype f32 --shape tiny --reps 3          # smoke test
 //! ```
 
+// Only the meter is used here.
+#[allow(dead_code)]
+#[path = "workload/memory.rs"]
+mod memory;
 #[path = "shapes.rs"]
 mod shapes;
 
@@ -88,8 +92,21 @@ fn time(
     Ok(median(times))
 }
 
+/// Device bytes in use above the baseline (CUDA: the driver's view; CPU: resident set) and
+/// CubeCL's pool (in use, reserved), printed at each stage so memory growth can be placed.
+fn memory_at(stage: &str, meter: &memory::Meter, device: &Device) {
+    sync(device);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let pool = device.memory_pool_usage().map(|u| (u.bytes_in_use >> 20, u.bytes_reserved >> 20));
+    eprintln!(
+        "memory after {stage}: {} MiB in use; pool in use/reserved (MiB) {pool:?}",
+        meter.current() >> 20
+    );
+}
+
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
+    let meter = memory::Meter::start(&args.device).map_err(dspark::Error::InvalidInput)?;
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
     let device = kind.device()?;
@@ -98,6 +115,7 @@ fn main() -> dspark::Result<()> {
     let target = Qwen3::random(config.clone(), dtype, kind)?;
     sync(&device);
     eprintln!("built {} target in {:.1} s", args.shape, t.elapsed().as_secs_f64());
+    memory_at("building the target", &meter, &device);
     let vocab = target.vocab_size() as u32;
     let layout = target.kv_layout(16);
     let mut cache = PagedKvCache::new(
@@ -118,6 +136,7 @@ fn main() -> dspark::Result<()> {
     };
     let one_row = time(&device, args.warmup, args.reps, || step(&[11]))?;
     eprintln!("target one-row step {:.2} ms", one_row * 1e3);
+    memory_at("target steps", &meter, &device);
 
     let mut header = String::from(
         "| device | dtype | draft | γ | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
@@ -139,14 +158,17 @@ fn main() -> dspark::Result<()> {
         draft_config.enable_confidence_head = confidence;
         let window: Vec<u32> = (0..=gamma as u32).map(|i| (101 + 7 * i) % vocab).collect();
         let verify = time(&device, args.warmup, args.reps, || step(&window))?;
-        let cache_config = DraftCacheConfig { kv_budget_bytes: 512 << 20, ..DraftCacheConfig::default() };
+        memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
+        let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
         let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?;
         let width = draft.feature_layers().len() * config.hidden_size;
         let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
         let features =
             |rows: usize| Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), opts.clone());
+        memory_at(&format!("building the {spec} draft"), &meter, &device);
         let dseq = draft.begin();
         draft.extend_context(dseq, features(args.context))?;
+        memory_at("the first context extension", &meter, &device);
         // Extension by 4 rows, undone by truncating the draft's context (`end` + `begin` would
         // also do, but this keeps the context length fixed for the proposals).
         let extend = {
@@ -169,7 +191,10 @@ fn main() -> dspark::Result<()> {
             let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
             time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))
         };
-        let (p_greedy, p_sampled) = (propose(&greedy)?, propose(&sampled)?);
+        let p_greedy = propose(&greedy)?;
+        memory_at("greedy proposals", &meter, &device);
+        let p_sampled = propose(&sampled)?;
+        memory_at("sampled proposals", &meter, &device);
         let round = extend + p_greedy + verify;
         let mut row = format!(
             "| {} | {} | {} | {gamma} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
@@ -191,5 +216,6 @@ fn main() -> dspark::Result<()> {
         eprintln!("{row}");
         draft.end(dseq)?;
     }
+    let _ = meter.finish(0, &device);
     Ok(())
 }
