@@ -242,7 +242,7 @@ mod tests {
             5.0, // +∞ wins
         ];
         let x = Tensor::<2>::from_data(TensorData::new(rows, [4, 4]), &device);
-        let ids = argmax_rows(x).into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+        let ids = argmax_rows(x).into_data().convert::<i64>().try_to_vec::<i64>().expect("i64 ids");
         assert_eq!(ids, vec![1, 1, 0, 2]);
     }
 

@@ -45,6 +45,8 @@ pub struct DecoderLayer {
 
 /// The q/k/v projections: three weights, or (where this crate's kernels run) one `[q; k; v]`
 /// weight read in one pass, whose output the fused norm + RoPE kernel reads by column offset.
+// One per layer: the unused bytes of the smaller variant do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 enum AttnIn {
     Split { q: Proj, k: Proj, v: Proj },
@@ -52,6 +54,7 @@ enum AttnIn {
 }
 
 /// The gate/up projections: two weights, or one `[gate; up]` weight (see [`AttnIn`]).
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 enum MlpIn {
     Split { gate: Proj, up: Proj },
@@ -441,6 +444,7 @@ impl DecoderLayer {
     ///
     /// # Shapes
     /// `c`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn write_context(
         &self,
         layer: usize,
