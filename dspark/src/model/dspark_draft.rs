@@ -395,7 +395,7 @@ impl DSparkDraft {
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
         let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 } = parts;
         let device_markov = if dspark_kernels::kernels_available(&device) {
-            DeviceMarkov::new(markov.as_ref(), confidence.as_ref(), b.hidden_size, dtype, &device)
+            DeviceMarkov::new(markov.as_ref(), dtype, &device)
         } else {
             None
         };
@@ -423,17 +423,8 @@ impl DSparkDraft {
     /// run) or on the host in f64 (`false`). The device pass serves the vanilla head (or none);
     /// with a gated or rnn head the host pass stays. Returns whether the device pass is now on.
     pub fn set_device_markov(&mut self, on: bool) -> bool {
-        self.device_markov = if on {
-            DeviceMarkov::new(
-                self.markov.as_ref(),
-                self.confidence.as_ref(),
-                self.config.base.hidden_size,
-                self.dtype,
-                &self.device,
-            )
-        } else {
-            None
-        };
+        self.device_markov =
+            if on { DeviceMarkov::new(self.markov.as_ref(), self.dtype, &self.device) } else { None };
         self.device_markov.is_some()
     }
 
@@ -806,20 +797,28 @@ impl Speculator for DSparkDraft {
             let anchors: Vec<u32> = lanes.iter().map(|l| l.anchor).collect();
             let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
             let positions = lanes.iter().map(|l| self.cache.len(l.seq)).collect::<Result<Vec<_>>>()?;
-            let round = dev.run(&anchors, hidden, logits, gamma, &params, &positions)?;
-            let sigmoid = |x: &f32| (1.0 / (1.0 + f64::from(-*x).exp())) as f32;
-            let proposals = round
-                .tokens
-                .into_iter()
-                .zip(round.confidence)
-                .zip(round.q)
-                .zip(lanes)
-                .map(|(((tokens, confidence), q), lane)| Proposal {
-                    tokens,
-                    q: (!lane.params.is_greedy()).then_some(q),
-                    confidence: (!confidence.is_empty()).then(|| confidence.iter().map(sigmoid).collect()),
-                })
-                .collect();
+            // The block's hidden rows come back only for the confidence head (γ·H floats a lane).
+            let hidden = match &self.confidence {
+                Some(_) => read_f32(hidden)?,
+                None => Vec::new(),
+            };
+            let round = dev.run(&anchors, logits, gamma, &params, &positions)?;
+            let mut proposals = Vec::with_capacity(lanes.len());
+            for (i, ((tokens, q), lane)) in round.tokens.into_iter().zip(round.q).zip(lanes).enumerate() {
+                let confidence = self.confidence.as_ref().map(|c| {
+                    let mut prev = lane.anchor;
+                    let mut out = Vec::with_capacity(gamma);
+                    for (k, &token) in tokens.iter().enumerate() {
+                        let h_k = &hidden[(i * gamma + k) * h..(i * gamma + k + 1) * h];
+                        let e = self.markov.as_ref().map(|m| m.embed(prev));
+                        let x = c.logit(h_k, e.as_deref());
+                        out.push((1.0 / (1.0 + (-x).exp())) as f32);
+                        prev = token;
+                    }
+                    out
+                });
+                proposals.push(Proposal { tokens, q: (!lane.params.is_greedy()).then_some(q), confidence });
+            }
             return Ok(proposals);
         }
         let hidden = read_f32(hidden)?;

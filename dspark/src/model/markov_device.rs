@@ -6,13 +6,18 @@
 //! on the host exactly as [`super::dspark_draft::DSparkDraft::markov_pass`] draws it (f64
 //! softmax, the same coin), so the proposal `q` is the distribution actually sampled from.
 //!
+//! Only this crate's kernels and data movement run here: no reduction or matmul of burn's,
+//! whose autotuning would run throughput probes (a 2 GiB transient allocation on the H200) on
+//! the first round. The confidence head (γ dot products per lane) is evaluated on the host from
+//! the block's hidden rows, exactly as the host pass does.
+//!
 //! The bias `W2 · W1[prev]` is computed in the draft's dtype (f32 accumulation on the bf16
 //! kernel path) instead of the host pass's f64: the draft's choices may differ on near-ties,
 //! which changes acceptance, never the output distribution.
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
-use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
+use super::markov::{MarkovHead, argmax_f64, softmax_t};
 use crate::device::ComputeDtype;
 use crate::engine::read_f32;
 use crate::error::{Error, Result};
@@ -24,17 +29,7 @@ use crate::sampling::{SamplingParams, Stream, coin, sample_weights};
 pub(crate) struct DeviceMarkov {
     /// `markov_w1` `[V, r]` and `markov_w2` `[V, r]` in the draft's dtype; `None` without a head.
     w: Option<(Tensor<2>, Tensor<2>)>,
-    confidence: Option<DeviceConfidence>,
     device: Device,
-}
-
-#[derive(Debug, Clone)]
-struct DeviceConfidence {
-    /// `[1, H]` f32: the weights on the block hidden row.
-    w_h: Tensor<2>,
-    /// `[1, r]` f32: the weights on `W1[prev]`, when the head reads it.
-    w_e: Option<Tensor<2>>,
-    bias: f32,
 }
 
 /// What the device pass chose for each lane.
@@ -42,21 +37,13 @@ struct DeviceConfidence {
 pub(crate) struct DeviceRound {
     /// `[lane][k]` draft tokens.
     pub tokens: Vec<Vec<u32>>,
-    /// `[lane][k]` pre-sigmoid confidence logits (empty without a confidence head).
-    pub confidence: Vec<Vec<f32>>,
     /// `[lane][k]` proposal distributions of sampling lanes (empty for greedy lanes).
     pub q: Vec<Vec<Vec<f64>>>,
 }
 
 impl DeviceMarkov {
-    /// Upload the heads; `None` for the gated and rnn heads, which stay on the host pass.
-    pub(crate) fn new(
-        markov: Option<&MarkovHead>,
-        confidence: Option<&ConfidenceHead>,
-        hidden: usize,
-        dtype: ComputeDtype,
-        device: &Device,
-    ) -> Option<Self> {
+    /// Upload the Markov head; `None` for the gated and rnn heads, which stay on the host pass.
+    pub(crate) fn new(markov: Option<&MarkovHead>, dtype: ComputeDtype, device: &Device) -> Option<Self> {
         let upload = |values: &[f32], dims: [usize; 2], dtype: DType| {
             let t = Tensor::<2>::from_data(TensorData::new(values.to_vec(), dims), device);
             if dtype == DType::F32 { t } else { t.cast(dtype) }
@@ -69,43 +56,30 @@ impl DeviceMarkov {
             }
             Some(_) => return None,
         };
-        let confidence = confidence.map(|c| DeviceConfidence {
-            w_h: upload(&c.weight[..hidden], [1, hidden], DType::F32),
-            w_e: (c.with_markov && c.weight.len() > hidden)
-                .then(|| upload(&c.weight[hidden..], [1, c.weight.len() - hidden], DType::F32)),
-            bias: c.bias,
-        });
-        Some(Self { w, confidence, device: device.clone() })
+        Some(Self { w, device: device.clone() })
     }
 
-    /// The γ steps for every lane: `hidden` `[lanes·γ, H]` and `base` `[lanes·γ, V]` (f32) from
-    /// the block forward; lane `i` starts from `anchors[i]`, samples with `params[i]`, and its
-    /// block decides positions `positions[i] + 1 ..` (the keys of its sampling coins).
+    /// The γ steps for every lane: `base` `[lanes·γ, V]` (f32) from the block forward; lane `i`
+    /// starts from `anchors[i]`, samples with `params[i]`, and its block decides positions
+    /// `positions[i] + 1 ..` (the keys of its sampling coins).
     pub(crate) fn run(
         &self,
         anchors: &[u32],
-        hidden: Tensor<2>,
         base: Tensor<2>,
         gamma: usize,
         params: &[&SamplingParams],
         positions: &[usize],
     ) -> Result<DeviceRound> {
         let lanes = anchors.len();
-        let [_, h] = hidden.dims();
         let [_, v] = base.dims();
-        let hidden = hidden.reshape([lanes, gamma, h]);
         let base = base.reshape([lanes, gamma, v]);
         let greedy = params.iter().all(|p| p.is_greedy());
         let ids =
             |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [lanes]), &self.device);
         let mut prev = ids(anchors.iter().map(|&a| i64::from(a)).collect());
-        let mut round = DeviceRound {
-            tokens: vec![Vec::with_capacity(gamma); lanes],
-            confidence: vec![Vec::new(); lanes],
-            q: vec![Vec::new(); lanes],
-        };
+        let mut round =
+            DeviceRound { tokens: vec![Vec::with_capacity(gamma); lanes], q: vec![Vec::new(); lanes] };
         let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
-        let mut conf: Vec<Tensor<2>> = Vec::with_capacity(gamma);
         for k in 0..gamma {
             // 1. corrected logits of step k: base + W2 · W1[prev].
             let e = self.w.as_ref().map(|(w1, _)| w1.clone().select(0, prev.clone()));
@@ -114,19 +88,7 @@ impl DeviceMarkov {
                 let bias = dspark_kernels::linear(e.clone(), w2);
                 row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
             }
-            // 2. confidence of step k: w_h · h_k (+ w_e · W1[prev]) + b.
-            // (Products and row sums, not burn's matmul: its kernels for these shapes cost far
-            // more than the arithmetic.)
-            if let Some(c) = &self.confidence {
-                let h_k = hidden.clone().narrow(1, k, 1).reshape([lanes, h]);
-                let mut z = (h_k * c.w_h.clone()).sum_dim(1);
-                if let (Some(w_e), Some(e)) = (&c.w_e, &e) {
-                    let e = if e.dtype() == DType::F32 { e.clone() } else { e.clone().cast(DType::F32) };
-                    z = z + (e * w_e.clone()).sum_dim(1);
-                }
-                conf.push(z.add_scalar(c.bias));
-            }
-            // 3. the token: argmax on the device, or drawn on the host.
+            // 2. the token: argmax on the device, or drawn on the host.
             if greedy {
                 // Lowest index on ties, as the host pass chooses.
                 let t = dspark_kernels::argmax_rows(row);
@@ -158,12 +120,6 @@ impl DeviceMarkov {
             let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
             for (i, row) in tokens.chunks(gamma).enumerate() {
                 round.tokens[i] = row.iter().map(|&t| t as u32).collect();
-            }
-        }
-        if !conf.is_empty() {
-            let values = read_f32(Tensor::cat(conf, 1))?;
-            for (i, row) in values.chunks(gamma).enumerate() {
-                round.confidence[i] = row.to_vec();
             }
         }
         Ok(round)
