@@ -15,15 +15,19 @@ fn target() -> Qwen3 {
     Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap()
 }
 
-fn engine(device_markov: bool) -> Engine {
-    let t = target();
-    let mut d = DSparkDraft::load(
+fn draft(target: &Qwen3) -> DSparkDraft {
+    DSparkDraft::load(
         &models().join("tiny-code-dspark"),
-        &t,
+        target,
         LoadOptions::default(),
         &DraftCacheConfig::default(),
     )
-    .unwrap();
+    .unwrap()
+}
+
+fn engine(device_markov: bool) -> Engine {
+    let t = target();
+    let mut d = draft(&t);
     assert_eq!(d.set_device_markov(device_markov), device_markov, "the shipped draft has a vanilla head");
     Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap()
 }
@@ -73,13 +77,7 @@ fn device_markov_pass_is_lossless_and_agrees_with_the_host_pass() {
 fn device_markov_proposals_match_the_host_pass() {
     use dspark::{KvCache, LogitRows, PagedKvCache, ProposeLane, SeqChunk, Speculator};
     let t = target();
-    let mut d = DSparkDraft::load(
-        &models().join("tiny-code-dspark"),
-        &t,
-        LoadOptions::default(),
-        &DraftCacheConfig::default(),
-    )
-    .unwrap();
+    let mut d = draft(&t);
     let prompt = heldout_prompts(1).remove(0);
     let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
     let seq = cache.allocate();

@@ -8,7 +8,7 @@ use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
 use super::fp8::{DraftQuant, Fp8Counts, load_projection};
-use super::layer::{AttnPlan, BlockLane, DecoderLayer, LayerShape, Proj};
+use super::layer::{AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::markov_device::DeviceMarkov;
 use super::qwen3::{LoadOptions, Qwen3};
@@ -597,15 +597,12 @@ impl DSparkDraft {
             let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
             let n = physical.len();
             let rows = Tensor::<1, Int>::from_data(TensorData::new(physical, [n]), &self.device);
-            // (With physical rows given, the sequence and start arguments are not used.)
             for (l, layer) in self.layers.iter().enumerate() {
                 layer.write_context(
                     l,
-                    grow[0].0,
-                    0,
                     c.clone(),
                     (&cos, &sin),
-                    Some(&rows),
+                    ContextRows::Physical(&rows),
                     &mut self.cache,
                 )?;
             }
@@ -765,9 +762,13 @@ impl Speculator for DSparkDraft {
         let positions: Vec<usize> = range.clone().collect();
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
         for (l, layer) in self.layers.iter().enumerate() {
-            if let Err(e) =
-                layer.write_context(l, seq, range.start, c.clone(), (&cos, &sin), None, &mut self.cache)
-            {
+            if let Err(e) = layer.write_context(
+                l,
+                c.clone(),
+                (&cos, &sin),
+                ContextRows::Sequence { seq, start: range.start },
+                &mut self.cache,
+            ) {
                 self.cache.truncate(seq, range.start)?;
                 return Err(e);
             }

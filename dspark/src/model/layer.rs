@@ -436,23 +436,28 @@ pub(crate) struct BlockLane {
     pub context: usize,
 }
 
+/// Where [`DecoderLayer::write_context`] stores its rows.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum ContextRows<'a> {
+    /// Pool rows, one per new row (possibly of several sequences): one row assignment whose
+    /// kernel does not depend on where the rows sit.
+    Physical(&'a Tensor<1, Int>),
+    /// Positions `start..` of one sequence.
+    Sequence { seq: SeqId, start: usize },
+}
+
 impl DecoderLayer {
     /// Draft-context K/V of new context rows: `K = RoPE(k_norm(k_proj c))`, `V = v_proj c` (no
-    /// input norm: `c` is already the normed projection of the target features), stored in the
-    /// cache at `start..` (through the physical rows `rows_at` when the caller has them: one
-    /// row assignment whose kernel does not depend on `start`).
+    /// input norm: `c` is already the normed projection of the target features), stored at `at`.
     ///
     /// # Shapes
     /// `c`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn write_context(
         &self,
         layer: usize,
-        seq: SeqId,
-        start: usize,
         c: Tensor<2>,
         (cos, sin): (&Tensor<2>, &Tensor<2>),
-        rows_at: Option<&Tensor<1, Int>>,
+        at: ContextRows<'_>,
         cache: &mut dyn KvCache,
     ) -> Result<()> {
         let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
@@ -467,9 +472,9 @@ impl DecoderLayer {
         };
         let k = qk_norm_rope(k_src, 0, kv_heads, head_dim, &self.k_norm, cos, sin, eps);
         let v = v_src.narrow(1, v_off, kv_heads * head_dim).reshape([rows, kv_heads, head_dim]);
-        match rows_at {
-            Some(physical) => cache.write_rows(layer, physical, k, v),
-            None => cache.write(layer, seq, start, k, v),
+        match at {
+            ContextRows::Physical(rows) => cache.write_rows(layer, rows, k, v),
+            ContextRows::Sequence { seq, start } => cache.write(layer, seq, start, k, v),
         }
     }
 
