@@ -7,6 +7,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod fp8;
 pub mod reference;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,6 +36,7 @@ pub fn kernels_enabled() -> bool {
     KERNELS.load(Ordering::Relaxed)
 }
 
+pub use fp8::{Fp8Matrix, linear_fp8};
 pub use reference::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
 
 /// `x · Wᵀ` for a weight in its checkpoint layout `[out, in]`.

@@ -287,3 +287,47 @@ mod tests {
         assert!(diff < 1e-5, "max |paged - gathered| = {diff}");
     }
 }
+
+/// The weights of an FP8 matrix as f32 values, row-major `[out, in]`: `decode(byte) · scale`,
+/// one f32 product per element (exact decoding through a 256-entry table).
+pub fn dequantize_fp8(m: &crate::fp8::Fp8Matrix) -> Tensor<2> {
+    use crate::fp8::{BLOCK, ScaleGrid, e4m3_to_f32};
+    let [out, inp] = m.dims();
+    let device = m.words.device();
+    // Bytes j = 0..3 of each word hold columns (k, k+2, k+1, k+3) of a group of four.
+    let byte = |j: i32| m.words.clone().bitwise_right_shift_scalar(8 * j).bitwise_and_scalar(0xFF);
+    let bytes: Tensor<3, Int> = Tensor::stack(vec![byte(0), byte(2), byte(1), byte(3)], 2);
+    let index = bytes.reshape([out * inp]);
+    let table: Vec<f32> = (0..=255u8).map(e4m3_to_f32).collect();
+    let table = Tensor::<1>::from_data(
+        TensorData::new(table, [256]),
+        burn::tensor::TensorCreationOptions::new(device).with_dtype(DType::F32),
+    );
+    let values = table.select(0, index).reshape([out, inp]);
+    match m.grid() {
+        ScaleGrid::PerRow => values * m.scales.clone().reshape([out, 1]),
+        ScaleGrid::Blocks => {
+            let (ob, ib) = (out.div_ceil(BLOCK), inp.div_ceil(BLOCK));
+            let grid = m
+                .scales
+                .clone()
+                .reshape([ob, 1, ib, 1])
+                .expand([ob, BLOCK, ib, BLOCK])
+                .reshape([ob * BLOCK, ib * BLOCK])
+                .slice([0..out, 0..inp]);
+            values * grid
+        }
+    }
+}
+
+/// `x · Wᵀ` for an FP8 weight: the dequantised weights ([`dequantize_fp8`]) and `x` in f32, the
+/// product cast back to the dtype of `x`.
+///
+/// # Shapes
+/// `x`: `[rows, in]` → `[rows, out]`.
+pub fn linear_fp8(x: Tensor<2>, weight: &crate::fp8::Fp8Matrix) -> Tensor<2> {
+    let dtype = x.dtype();
+    let x32 = if dtype == DType::F32 { x } else { x.cast(DType::F32) };
+    let y = x32.matmul(dequantize_fp8(weight).transpose());
+    if dtype == DType::F32 { y } else { y.cast(dtype) }
+}

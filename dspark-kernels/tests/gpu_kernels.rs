@@ -510,3 +510,143 @@ fn argmax_rows_matches_reference() {
         }
     }
 }
+
+/// Random e4m3 bytes: every finite code, subnormals and ±0 included (NaN codes become 0x00).
+fn fp8_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut rng = Lcg(seed);
+    (0..n)
+        .map(|_| {
+            let b = rng.next(256) as u8;
+            if b & 0x7F == 0x7F { 0 } else { b }
+        })
+        .collect()
+}
+
+/// A random FP8 matrix: the device copy and the host bytes and scales it was made from.
+struct Fp8Case {
+    m: dspark_kernels::Fp8Matrix,
+    bytes: Vec<u8>,
+    scales: Vec<f32>,
+    inp: usize,
+}
+
+impl Fp8Case {
+    fn new(out: usize, inp: usize, grid: dspark_kernels::fp8::ScaleGrid, seed: u64, device: &Device) -> Self {
+        let bytes = fp8_bytes(out * inp, seed);
+        let mut rng = Lcg(seed ^ 0xABCD);
+        // Scales of the size real checkpoints have (max |w| ≈ 0.05 → 1e-4), spread over 2⁴.
+        let scales: Vec<f32> =
+            (0..grid.len(out, inp)).map(|_| 1e-4 * 2f32.powf(rng.next(1000) as f32 / 250.0)).collect();
+        let m = dspark_kernels::Fp8Matrix::upload(&bytes, &scales, [out, inp], grid, device).unwrap();
+        Self { m, bytes, scales, inp }
+    }
+
+    /// Weight `(r, c)` as `decode(byte) · scale` in float64 (exact).
+    fn weight(&self, r: usize, c: usize) -> f64 {
+        use dspark_kernels::fp8::{BLOCK, ScaleGrid, e4m3_to_f32};
+        let s = match self.m.grid() {
+            ScaleGrid::PerRow => self.scales[r],
+            ScaleGrid::Blocks => self.scales[(r / BLOCK) * self.inp.div_ceil(BLOCK) + c / BLOCK],
+        };
+        f64::from(e4m3_to_f32(self.bytes[r * self.inp + c])) * f64::from(s)
+    }
+
+    /// Columns `cols` of `x · Wᵀ` in float64.
+    fn reference(&self, x: &[f32], rows: usize, cols: &[usize]) -> Vec<f64> {
+        let inp = self.inp;
+        let w: Vec<Vec<f64>> = cols.iter().map(|&o| (0..inp).map(|c| self.weight(o, c)).collect()).collect();
+        let mut y = Vec::with_capacity(rows * cols.len());
+        for r in 0..rows {
+            let xr = &x[r * inp..(r + 1) * inp];
+            for wo in &w {
+                y.push(xr.iter().zip(wo).map(|(&a, &b)| f64::from(a) * b).sum());
+            }
+        }
+        y
+    }
+}
+
+#[test]
+fn fp8_gemm_matches_reference() {
+    use dspark_kernels::fp8::ScaleGrid;
+    let device = cuda();
+    // (in, out, grid): a hidden width onto a k/v projection, a down projection's long reduction,
+    // a small model, and block rows that end inside a block (144 = 128 + 16).
+    let cases = [
+        (4096, 1024, ScaleGrid::PerRow),
+        (4096, 1024, ScaleGrid::Blocks),
+        (12288, 256, ScaleGrid::Blocks),
+        (12288, 256, ScaleGrid::PerRow),
+        (256, 768, ScaleGrid::PerRow),
+        (4096, 144, ScaleGrid::Blocks),
+    ];
+    let rows_list = [1, 2, 3, 7, 8, 9, 16, 17, 33, 64, 65, 130];
+    for (i, &(inp, out, grid)) in cases.iter().enumerate() {
+        let case = Fp8Case::new(out, inp, grid, 100 + i as u64, &device);
+        let m = &case.m;
+        let cols: Vec<usize> = (0..out).collect();
+        for &rows in &rows_list {
+            let x = random(rows, inp, 1.0, &device);
+            let xh = host(x.clone());
+            poison(rows * out, &device);
+            let y = host(dspark_kernels::linear_fp8(x.clone(), m));
+            let want = case.reference(&xh, rows, &cols);
+            let err = rel_err(&y, &want);
+            let stock = host(dspark_kernels::reference::linear_fp8(x, m));
+            let stock_err = rel_err(&stock, &want);
+            println!(
+                "fp8_gemm {grid:?} in={inp} out={out} rows={rows}: rel err {err:.2e} (plain burn {stock_err:.2e})"
+            );
+            assert!(err <= 4e-3, "{grid:?} in={inp} out={out} rows={rows}: rel err {err:.3e}");
+        }
+    }
+}
+
+#[test]
+fn fp8_gemm_matches_reference_at_lm_head_width() {
+    use dspark_kernels::fp8::ScaleGrid;
+    let device = cuda();
+    let (inp, out) = (4096, 151_936);
+    let case = Fp8Case::new(out, inp, ScaleGrid::PerRow, 7, &device);
+    let mut cols: Vec<usize> = (0..out).step_by(61).collect();
+    cols.push(out - 1);
+    for rows in [1, 9, 64] {
+        let x = random(rows, inp, 1.0, &device);
+        let xh = host(x.clone());
+        poison(rows * out, &device);
+        let y = host(dspark_kernels::linear_fp8(x, &case.m));
+        assert!(y.iter().all(|v| v.is_finite()), "rows={rows}: unwritten or non-finite outputs");
+        let picked: Vec<f32> =
+            (0..rows).flat_map(|r| cols.iter().map(move |&o| (r, o))).map(|(r, o)| y[r * out + o]).collect();
+        let err = rel_err(&picked, &case.reference(&xh, rows, &cols));
+        println!("fp8_gemm in={inp} out={out} rows={rows}: rel err {err:.2e} on {} columns", cols.len());
+        assert!(err <= 4e-3, "rows={rows}: rel err {err:.3e}");
+    }
+}
+
+#[test]
+fn fp8_gemm_is_batch_invariant() {
+    use dspark_kernels::fp8::ScaleGrid;
+    let device = cuda();
+    for (i, &(inp, out, grid)) in
+        [(4096, 1024, ScaleGrid::PerRow), (4096, 256, ScaleGrid::Blocks), (256, 768, ScaleGrid::PerRow)]
+            .iter()
+            .enumerate()
+    {
+        let m = Fp8Case::new(out, inp, grid, 40 + i as u64, &device).m;
+        let x = random(130, inp, 1.0, &device);
+        let all = dspark_kernels::linear_fp8(x.clone(), &m).into_data();
+        let all = all.as_bytes();
+        let row_bytes = out * 2;
+        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (64, 66)] {
+            let part = dspark_kernels::linear_fp8(x.clone().narrow(0, start, len), &m).into_data();
+            assert_eq!(
+                part.as_bytes(),
+                &all[start * row_bytes..(start + len) * row_bytes],
+                "{grid:?} in={inp} out={out}: rows {start}..{} differ between a call of {len} rows and one of 130",
+                start + len
+            );
+        }
+        println!("fp8_gemm {grid:?} in={inp} out={out}: rows bit-identical alone, in windows and in batches");
+    }
+}

@@ -33,7 +33,7 @@ type Words = Vector<u32, Const<4>>;
 pub(crate) const WARPS: usize = 8;
 /// Chunks of 32 `k` each warp loads before it multiplies (loads in flight per lane:
 /// `(2 + tiles)·unroll`): deeper when few activation tiles leave registers free.
-fn unroll(tiles: usize) -> usize {
+pub(crate) fn unroll(tiles: usize) -> usize {
     match tiles {
         1 | 2 => 4,
         3 | 4 => 2,

@@ -6,3 +6,4 @@
 pub(crate) mod attention;
 pub(crate) mod fused;
 pub(crate) mod gemm;
+pub(crate) mod gemm_fp8;

@@ -1,0 +1,324 @@
+//! Skinny GEMM with FP8 (e4m3) weights: `y = x · Wᵀ` for bf16 activation rows and an
+//! [`Fp8Matrix`], on the bf16 tensor-core path of [`super::gemm`].
+//!
+//! # How one cube works
+//! As in [`super::gemm`]: 16 weight rows per cube, every activation row of the call in tiles of
+//! 8, `WARPS` warps splitting the reduction axis, here in 64-wide chunks (warp `w` takes chunks
+//! `w, w + WARPS, …`). Lane `(g, t)` loads 16 bytes of weight rows `g` and `g + 8` (columns
+//! `16t .. 16t + 16` of the chunk: 16 weights each) and 32 bytes of activation row `g` at the
+//! same columns, and feeds them to four `m16n8k16` steps of four columns each.
+//!
+//! # Decoding in registers
+//! Each 32-bit word holds columns `(k, k+2, k+1, k+3)`. Its even bytes become the bf16 pair of
+//! columns `(k, k+1)` and its odd bytes the pair `(k+2, k+3)` by moving each byte's magnitude
+//! bits 4 places up and its sign bit to bit 15 of its half: the bf16 with those bits is the e4m3
+//! value times 2⁻¹²⁰ (for subnormal e4m3 values too, which land on bf16 subnormals). One bf16
+//! multiply by 2¹²⁰ makes every weight its exact e4m3 value; the mma then accumulates
+//! `x · decode(w)` in f32. Per-row scales multiply each output at the end; block scales multiply
+//! each chunk's products before they join the accumulator (a chunk lies inside one 128-column
+//! block).
+//!
+//! # Batch invariance
+//! As for [`super::gemm`]: chunk order, mma tree and warp order depend only on `in`.
+
+use burn::backend::Dispatch;
+use burn::tensor::{DType, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cmma::MmaDefinition;
+use cubecl::prelude::*;
+use half::bf16;
+
+use super::gemm::{MAX_ROWS, WARPS, unroll};
+use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
+
+/// 16 bytes as four 32-bit registers.
+type Words = Vector<u32, Const<4>>;
+
+/// Columns `(k, k+1)` of a word in kernel order, as a bf16 pair scaled by 2⁻¹²⁰.
+#[cube]
+fn even_pair(w: u32) -> u32 {
+    ((w & 0x007F_007Fu32) << 4u32) | ((w & 0x0080_0080u32) << 8u32)
+}
+
+/// Columns `(k+2, k+3)` of a word in kernel order, as a bf16 pair scaled by 2⁻¹²⁰.
+#[cube]
+fn odd_pair(w: u32) -> u32 {
+    ((w >> 4u32) & 0x07F0_07F0u32) | (w & 0x8000_8000u32)
+}
+
+/// One cube: 16 weight rows × every activation row of the call (`8 · tiles` slots).
+///
+/// `x`: `[rows, in]` bf16 as words (`in / 8` per row); `w`: `[out, in]` bytes as words
+/// (`in / 16` per row); `scales`: per row or per 128×128 block (`scale_cols` blocks per row);
+/// `y`: `[rows, out]`. `in` a multiple of 64, `out` of 16.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn fp8_gemm_kernel(
+    x: &[Words],
+    w: &[Words],
+    scales: &[f32],
+    y: &mut [bf16],
+    rows: u32,
+    x_words: u32,
+    out: u32,
+    scale_cols: u32,
+    pow2_120: f32,
+    #[comptime] tiles: usize,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+    #[comptime] blocked: bool,
+) {
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let g = lane / 4;
+    let t = lane % 4;
+    let block = CUBE_POS_X as usize;
+    let x_words = x_words as usize;
+    let w_words = x_words / 2;
+    let rows = rows as usize;
+    let out = out as usize;
+    let chunks = x_words / 8;
+    let scale_row = (block * 16) / 128usize * (scale_cols as usize);
+
+    let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
+
+    let mut acc = Array::<Vector<f32, Const<4>>>::new(tiles);
+    #[unroll]
+    for j in 0..tiles {
+        acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
+    }
+
+    let w_lo = (block * 16 + g) * w_words + t;
+    let w_hi = w_lo + 8 * w_words;
+    let zero = Words::new(0u32);
+
+    let steps = chunks.div_ceil(warps * unroll);
+    for step in 0..steps {
+        // 1. Loads: `unroll` chunks of both weight rows (one word each) and of every activation
+        //    row (two words each).
+        let mut wa = Array::<Words>::new(unroll);
+        let mut wb = Array::<Words>::new(unroll);
+        let mut xs = Array::<Words>::new(unroll * tiles * 2);
+        #[unroll]
+        for u in 0..unroll {
+            let chunk = (step * unroll + u) * warps + warp;
+            if chunk < chunks {
+                wa[u] = w[w_lo + chunk * 4];
+                wb[u] = w[w_hi + chunk * 4];
+            } else {
+                wa[u] = zero;
+                wb[u] = zero;
+            }
+            #[unroll]
+            for j in 0..tiles {
+                let row = j * 8 + g;
+                #[unroll]
+                for h in 0..2usize {
+                    if chunk < chunks && row < rows {
+                        xs[(u * tiles + j) * 2 + h] = x[row * x_words + chunk * 8 + 2 * t + h];
+                    } else {
+                        xs[(u * tiles + j) * 2 + h] = zero;
+                    }
+                }
+            }
+        }
+        // 2. Four mma steps per chunk, four columns each.
+        #[unroll]
+        for u in 0..unroll {
+            let mut part = Array::<Vector<f32, Const<4>>>::new(tiles);
+            #[unroll]
+            for j in 0..tiles {
+                if comptime![blocked] {
+                    part[j] = Vector::<f32, Const<4>>::new(0.0f32);
+                } else {
+                    part[j] = acc[j];
+                }
+            }
+            #[unroll]
+            for s in 0..4usize {
+                let ga = wa[u].extract(s);
+                let gb = wb[u].extract(s);
+                let mut a_words = Words::new(0u32);
+                a_words.insert(0usize, even_pair(ga));
+                a_words.insert(1usize, even_pair(gb));
+                a_words.insert(2usize, odd_pair(ga));
+                a_words.insert(3usize, odd_pair(gb));
+                let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words) * lift;
+                #[unroll]
+                for j in 0..tiles {
+                    let xw = xs[(u * tiles + j) * 2 + s / 2];
+                    let mut b_words = Vector::<u32, Const<2>>::new(0u32);
+                    b_words.insert(0usize, xw.extract(2 * (s % 2)));
+                    b_words.insert(1usize, xw.extract(2 * (s % 2) + 1));
+                    let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
+                    b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
+                    let mut c = Array::<Vector<f32, Const<4>>>::new(1usize);
+                    c[0] = part[j];
+                    def.execute_inplace(&a, &b, &mut c);
+                    part[j] = c[0];
+                }
+            }
+            #[unroll]
+            for j in 0..tiles {
+                if comptime![blocked] {
+                    let chunk = (step * unroll + u) * warps + warp;
+                    if chunk < chunks {
+                        let s = scales[scale_row + chunk / 2];
+                        acc[j] += part[j] * Vector::<f32, Const<4>>::new(s);
+                    }
+                } else {
+                    acc[j] = part[j];
+                }
+            }
+        }
+    }
+
+    // 3. Partial sums of every warp into shared memory, [warp][tile][x row][weight row].
+    let tile_len = 128usize;
+    let mut partial = Shared::<[f32]>::new_slice(warps * tiles * 128);
+    let base = warp * tiles * tile_len;
+    #[unroll]
+    for j in 0..tiles {
+        let v = acc[j];
+        let at = base + j * tile_len;
+        partial[at + (2 * t) * 16 + g] = v.extract(0usize);
+        partial[at + (2 * t + 1) * 16 + g] = v.extract(1usize);
+        partial[at + (2 * t) * 16 + g + 8] = v.extract(2usize);
+        partial[at + (2 * t + 1) * 16 + g + 8] = v.extract(3usize);
+    }
+    sync_cube();
+
+    // 4. Sum over warps in warp order, apply a per-row scale, write bf16.
+    let threads = warps * 32;
+    let id = warp * 32 + lane;
+    let total = tiles * tile_len;
+    let passes = total.div_ceil(threads);
+    #[unroll]
+    for p in 0..passes {
+        let e = p * threads + id;
+        if e < total {
+            let mut sum = 0.0f32;
+            #[unroll]
+            for v in 0..warps {
+                sum += partial[v * total + e];
+            }
+            let j = e / tile_len;
+            let within = e % tile_len;
+            let row = j * 8 + within / 16;
+            let col = block * 16 + within % 16;
+            if !comptime![blocked] {
+                sum *= scales[col];
+            }
+            if row < rows {
+                y[row * out + col] = bf16::cast_from(sum);
+            }
+        }
+    }
+}
+
+/// Whether [`linear`] runs this product: a CUDA device, bf16 activations whose width is the
+/// matrix's `in`, at least one row.
+pub(crate) fn takes(x: &Tensor<2>, w: &Fp8Matrix) -> bool {
+    let [rows, inp] = x.dims();
+    rows > 0
+        && inp == w.inp
+        && x.dtype() == DType::BF16
+        && Fp8Matrix::shape_supported(w.out, w.inp)
+        && matches!(x.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+        && matches!(w.words.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+}
+
+/// `x · Wᵀ` through the kernel, on tensors that [`takes`] accepted.
+pub(crate) fn linear(x: Tensor<2>, w: &Fp8Matrix) -> Tensor<2> {
+    let y = <Dispatch as Fp8GemmOps>::fp8_gemm(
+        x.into_dispatch(),
+        w.words.clone().into_dispatch(),
+        w.scales.clone().into_dispatch(),
+        w.grid == ScaleGrid::Blocks,
+    );
+    Tensor::from_dispatch(y)
+}
+
+/// `x · Wᵀ` on CubeCL tensors: `x` `[rows, in]` bf16, `words` `[out, in / 4]` 32-bit, `scales`
+/// f32.
+fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -> CubeTensor {
+    let x = burn_cubecl::kernel::into_contiguous(x);
+    let words = burn_cubecl::kernel::into_contiguous(words);
+    let scales = burn_cubecl::kernel::into_contiguous(scales);
+    let [rows, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let out = words.meta.shape()[0];
+    assert!(
+        Fp8Matrix::shape_supported(out, inp) && words.meta.shape()[1] * 4 == inp,
+        "fp8_gemm: unsupported shape [{rows}, {inp}] x [{out}, {inp}]"
+    );
+    let n_scales = scales.meta.shape()[0];
+    let client = x.client.clone();
+    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        [rows, out].into(),
+        x.dtype,
+    );
+    let x_words = inp / 8;
+    let scale_cols = if blocked { inp.div_ceil(BLOCK) } else { 1 };
+    let mut start = 0;
+    while start < rows {
+        let n = (rows - start).min(MAX_ROWS);
+        let tiles = n.div_ceil(8);
+        let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
+        let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
+        // SAFETY: lengths are the buffers' sizes from `start` on in the kernel's units (16-byte
+        // words for x and w, f32 for scales, bf16 for y); the kernel reads x rows `< n`, w rows
+        // `< out`, scales at `row_block · scale_cols + chunk / 2 < n_scales` (blocked) or at
+        // output columns `< out = n_scales` (per row), and writes y rows `< n`.
+        unsafe {
+            fp8_gemm_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static((out / 16) as u32, 1, 1),
+                CubeDim::new_2d(32, WARPS as u32),
+                BufferArg::from_raw_parts(x_handle, n * x_words),
+                BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
+                BufferArg::from_raw_parts(scales.handle.clone(), n_scales),
+                BufferArg::from_raw_parts(y_handle, n * out),
+                n as u32,
+                x_words as u32,
+                out as u32,
+                scale_cols as u32,
+                2f32.powi(120),
+                tiles,
+                WARPS,
+                unroll(tiles),
+                blocked,
+            );
+        }
+        start += n;
+    }
+    y
+}
+
+/// `[rows, out]` for `x` `[rows, in]` and `words` `[out, in / 4]`.
+fn output_shape(x: &burn::tensor::Shape, words: &burn::tensor::Shape) -> burn::tensor::Shape {
+    [x[0], words[0]].into()
+}
+
+/// The backend extension: one operation, run by CubeCL on CUDA and deferred through fusion.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait Fp8GemmOps: burn::backend::Backend {
+    /// `x · Wᵀ` for FP8 `words` with `scales` (per 128×128 block when `blocked`, else per row).
+    #[fusion(dtype = x, shape = output_shape(x, words))]
+    fn fp8_gemm(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        words: burn::backend::tensor::IntTensor<Self>,
+        scales: burn::backend::tensor::FloatTensor<Self>,
+        blocked: bool,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+}
+
+impl Fp8GemmOps for CubeBackend {
+    fn fp8_gemm(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -> CubeTensor {
+        launch(x, words, scales, blocked)
+    }
+}

@@ -1,0 +1,379 @@
+//! FP8 (e4m3fn) weights kept as FP8 on the device, and the product `x · Wᵀ` with them.
+//!
+//! # Element format
+//! `float8_e4m3fn` (OCP OFP8 rev. 1.0, E4M3; `torch.float8_e4m3fn`, safetensors `F8_E4M3`): 1
+//! sign bit, a 4-bit exponent with bias 7, a 3-bit mantissa; exponent 0 holds subnormals
+//! `m/8 · 2⁻⁶`; `S.1111.111` is NaN; no infinities, ±448 is the largest finite value.
+//!
+//! # A matrix on the device
+//! An [`Fp8Matrix`] holds an `[out, in]` weight as one byte per element plus f32
+//! dequantisation scales (`W = decode(byte) · scale`), one per output row ([`ScaleGrid::PerRow`])
+//! or one per 128×128 block ([`ScaleGrid::Blocks`]). The bytes are packed four to a 32-bit word
+//! in the order `(k, k+2, k+1, k+3)` within each group of four columns: the kernel turns the
+//! even and the odd bytes of a word into two bf16 pairs `(k, k+1)`, `(k+2, k+3)` with a few bit
+//! operations. The order is internal; [`Fp8Matrix::upload`] takes and
+//! [`reference::dequantize_fp8`](crate::reference::dequantize_fp8) gives row-major values.
+//!
+//! # The product
+//! [`linear_fp8`] computes `Σ_k x[k] · decode(W[k])` in f32 and applies the scales to those
+//! sums (per row at the end, per block after each 128 columns' worth of products), so the
+//! weights enter as their exact e4m3 values; never rounded to bf16 after scaling. On CUDA with
+//! bf16 activations it is one tensor-core kernel with the skinny GEMM's batch invariance;
+//! elsewhere [`reference::linear_fp8`](crate::reference::linear_fp8).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
+
+/// Largest finite e4m3 magnitude.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Side of the square scale blocks of [`ScaleGrid::Blocks`].
+pub const BLOCK: usize = 128;
+
+static FP8_REFERENCE: AtomicBool = AtomicBool::new(false);
+
+/// Make [`fp8_weights_run`] say yes on every device, with [`linear_fp8`] running its plain-burn
+/// body where the kernel does not: models then keep FP8 weights as [`Fp8Matrix`] on the CPU
+/// too, so that path (packing, fused projections, block scales) is tested without a GPU. Off by
+/// default; process-wide.
+pub fn set_fp8_reference(enabled: bool) {
+    FP8_REFERENCE.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether models on `device` computing in `dtype` keep FP8 weights as [`Fp8Matrix`] (the CUDA
+/// kernel runs: a CUDA device, this crate's kernels on, bf16) rather than dequantising them at
+/// load. See also [`set_fp8_reference`].
+pub fn fp8_weights_run(device: &Device, dtype: DType) -> bool {
+    FP8_REFERENCE.load(Ordering::Relaxed) || (dtype == DType::BF16 && crate::kernels_available(device))
+}
+
+/// Decode one e4m3fn byte exactly (NaN for 0x7F and 0xFF).
+pub fn e4m3_to_f32(byte: u8) -> f32 {
+    let sign = u32::from(byte >> 7) << 31;
+    let exp = u32::from((byte >> 3) & 0xF);
+    let man = u32::from(byte & 0x7);
+    if exp == 0xF && man == 0x7 {
+        return f32::from_bits(sign | 0x7FC0_0000);
+    }
+    if exp == 0 {
+        // Subnormal: m · 2^-9, exact in f32 (2^-9 has bits 0x3B00_0000).
+        let magnitude = man as f32 * f32::from_bits(0x3B00_0000);
+        return f32::from_bits(sign | magnitude.to_bits());
+    }
+    // Normal: rebias the exponent (7 → 127) and move the mantissa to the top of f32's 23 bits.
+    f32::from_bits(sign | ((exp + 120) << 23) | (man << 20))
+}
+
+/// Which entries of the scale tensor apply to which weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ScaleGrid {
+    /// One scale per output row: `scales[r]`.
+    PerRow,
+    /// One scale per 128×128 block, row-major `[ceil(out/128), ceil(in/128)]`: `scales[r/128,
+    /// c/128]` (blocks at the ragged edge are partial).
+    Blocks,
+}
+
+impl ScaleGrid {
+    /// Number of scales of an `[out, in]` matrix.
+    pub fn len(self, out: usize, inp: usize) -> usize {
+        match self {
+            Self::PerRow => out,
+            Self::Blocks => out.div_ceil(BLOCK) * inp.div_ceil(BLOCK),
+        }
+    }
+}
+
+/// Why an FP8 matrix could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fp8Error {
+    /// The byte or scale count does not match the shape and grid.
+    Length {
+        /// What was short or long.
+        what: &'static str,
+        /// Expected count.
+        expected: usize,
+        /// Given count.
+        actual: usize,
+    },
+    /// The shape is not one [`Fp8Matrix`] stores (`in` a multiple of 64, `out` of 16).
+    Shape([usize; 2]),
+}
+
+impl std::fmt::Display for Fp8Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Length { what, expected, actual } => {
+                write!(f, "{actual} {what} given where the shape needs {expected}")
+            }
+            Self::Shape([out, inp]) => write!(
+                f,
+                "an FP8 matrix of [{out}, {inp}] is not stored on the device (in must be a multiple of \
+                 64 and out of 16)"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Fp8Error {}
+
+/// An `[out, in]` e4m3 weight and its scales on a device (see the module documentation).
+#[derive(Debug, Clone)]
+pub struct Fp8Matrix {
+    /// `[out, in / 4]` i32: four bytes per word, in kernel order.
+    pub(crate) words: Tensor<2, Int>,
+    /// f32 scales, `grid.len(out, in)` of them.
+    pub(crate) scales: Tensor<1>,
+    pub(crate) out: usize,
+    pub(crate) inp: usize,
+    pub(crate) grid: ScaleGrid,
+}
+
+impl Fp8Matrix {
+    /// Whether an `[out, in]` matrix can be stored (the kernel's tiling: `in` a multiple of 64,
+    /// `out` of 16; every Qwen3 and DSpark projection and LM head).
+    pub fn shape_supported(out: usize, inp: usize) -> bool {
+        out > 0 && inp > 0 && inp.is_multiple_of(64) && out.is_multiple_of(16)
+    }
+
+    /// Put row-major e4m3 `bytes` (`[out, in]`) and their `scales` on `device`.
+    ///
+    /// # Errors
+    /// [`Fp8Error::Shape`] when [`Fp8Matrix::shape_supported`] says no; [`Fp8Error::Length`] when
+    /// the byte or scale count does not match.
+    pub fn upload(
+        bytes: &[u8],
+        scales: &[f32],
+        [out, inp]: [usize; 2],
+        grid: ScaleGrid,
+        device: &Device,
+    ) -> Result<Self, Fp8Error> {
+        if !Self::shape_supported(out, inp) {
+            return Err(Fp8Error::Shape([out, inp]));
+        }
+        if bytes.len() != out * inp {
+            return Err(Fp8Error::Length { what: "bytes", expected: out * inp, actual: bytes.len() });
+        }
+        let n_scales = grid.len(out, inp);
+        if scales.len() != n_scales {
+            return Err(Fp8Error::Length { what: "scales", expected: n_scales, actual: scales.len() });
+        }
+        let words: Vec<i32> =
+            bytes.chunks_exact(4).map(|g| i32::from_le_bytes([g[0], g[2], g[1], g[3]])).collect();
+        let int = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+        let float = TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+        Ok(Self {
+            words: Tensor::from_data(TensorData::new(words, [out, inp / 4]), int),
+            scales: Tensor::from_data(TensorData::new(scales.to_vec(), [n_scales]), float),
+            out,
+            inp,
+            grid,
+        })
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> [usize; 2] {
+        [self.out, self.inp]
+    }
+
+    /// How the scales apply.
+    pub fn grid(&self) -> ScaleGrid {
+        self.grid
+    }
+
+    /// Device bytes: one per weight plus four per scale.
+    pub fn bytes(&self) -> usize {
+        self.out * self.inp + 4 * self.grid.len(self.out, self.inp)
+    }
+
+    /// The device holding the matrix.
+    pub fn device(&self) -> Device {
+        self.words.device()
+    }
+
+    /// The matrices stacked along their output rows (`[q; k; v]`), or `None` when they cannot
+    /// be: different `in` or grids, or a block grid whose parts (all but the last) do not end
+    /// on a 128-row boundary.
+    pub fn cat_rows(parts: &[Self]) -> Option<Self> {
+        let first = parts.first()?;
+        let aligned = |m: &Self| m.grid == ScaleGrid::PerRow || m.out.is_multiple_of(BLOCK);
+        if parts.iter().any(|m| m.inp != first.inp || m.grid != first.grid)
+            || !parts[..parts.len() - 1].iter().all(aligned)
+        {
+            return None;
+        }
+        Some(Self {
+            words: Tensor::cat(parts.iter().map(|m| m.words.clone()).collect(), 0),
+            scales: Tensor::cat(parts.iter().map(|m| m.scales.clone()).collect(), 0),
+            out: parts.iter().map(|m| m.out).sum(),
+            inp: first.inp,
+            grid: first.grid,
+        })
+    }
+
+    /// Output rows `start..start + len`, or `None` when a block grid would be cut inside a
+    /// block (or the range is empty, out of bounds or not a multiple of 16 rows).
+    pub fn narrow_rows(&self, start: usize, len: usize) -> Option<Self> {
+        if len == 0
+            || start + len > self.out
+            || !Self::shape_supported(len, self.inp)
+            || !start.is_multiple_of(16)
+        {
+            return None;
+        }
+        let scales = match self.grid {
+            ScaleGrid::PerRow => self.scales.clone().narrow(0, start, len),
+            ScaleGrid::Blocks => {
+                if !start.is_multiple_of(BLOCK) || !(len.is_multiple_of(BLOCK) || start + len == self.out) {
+                    return None;
+                }
+                let per = self.inp.div_ceil(BLOCK);
+                self.scales.clone().narrow(0, start / BLOCK * per, len.div_ceil(BLOCK) * per)
+            }
+        };
+        Some(Self {
+            words: self.words.clone().narrow(0, start, len),
+            scales,
+            out: len,
+            inp: self.inp,
+            grid: self.grid,
+        })
+    }
+}
+
+/// `x · Wᵀ` for an FP8 weight, as the module documentation describes.
+///
+/// On CUDA with bf16 `x` it is one kernel: the skinny GEMM's tiling (16 weight rows per cube, up
+/// to 64 activation rows per launch, a reduction order that depends only on `in`), each 16-byte
+/// load carrying 16 weights that become exact bf16 values in registers. Elsewhere it is
+/// [`reference::linear_fp8`](crate::reference::linear_fp8).
+///
+/// # Shapes
+/// `x`: `[rows, in]` → `[rows, out]`, in the dtype of `x`.
+pub fn linear_fp8(x: Tensor<2>, weight: &Fp8Matrix) -> Tensor<2> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels_enabled() && crate::cuda::gemm_fp8::takes(&x, weight) {
+        return crate::cuda::gemm_fp8::linear(x, weight);
+    }
+    crate::reference::linear_fp8(x, weight)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu() -> Device {
+        Device::default()
+    }
+
+    /// Deterministic bytes covering every finite code (NaN codes replaced by zero).
+    fn bytes(n: usize, seed: u32) -> Vec<u8> {
+        (0..n)
+            .map(|i| {
+                let b = ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 13) as u8;
+                if b & 0x7F == 0x7F { 0 } else { b }
+            })
+            .collect()
+    }
+
+    fn host(t: Tensor<2>) -> Vec<f32> {
+        t.into_data().convert::<f32>().try_into_vec::<f32>().expect("f32 data")
+    }
+
+    #[test]
+    fn dequantisation_round_trips_both_grids() {
+        let (out, inp) = (144, 192);
+        let b = bytes(out * inp, 7);
+        for grid in [ScaleGrid::PerRow, ScaleGrid::Blocks] {
+            let scales: Vec<f32> = (0..grid.len(out, inp)).map(|i| 0.001 * (i as f32 + 1.0)).collect();
+            let m = Fp8Matrix::upload(&b, &scales, [out, inp], grid, &cpu()).expect("supported shape");
+            let got = host(crate::reference::dequantize_fp8(&m));
+            for r in 0..out {
+                for c in 0..inp {
+                    let s = match grid {
+                        ScaleGrid::PerRow => scales[r],
+                        ScaleGrid::Blocks => scales[(r / BLOCK) * inp.div_ceil(BLOCK) + c / BLOCK],
+                    };
+                    let want = e4m3_to_f32(b[r * inp + c]) * s;
+                    assert_eq!(got[r * inp + c].to_bits(), want.to_bits(), "{grid:?} ({r}, {c})");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn cat_and_narrow_keep_rows_and_scales_together() {
+        let inp = 128;
+        let parts: Vec<Fp8Matrix> = [128usize, 256, 128]
+            .iter()
+            .enumerate()
+            .map(|(i, &out)| {
+                let scales: Vec<f32> = (0..out).map(|r| (r + 100 * i) as f32 * 1e-3 + 1e-3).collect();
+                let b = bytes(out * inp, i as u32);
+                Fp8Matrix::upload(&b, &scales, [out, inp], ScaleGrid::PerRow, &cpu()).expect("shape")
+            })
+            .collect();
+        let all = Fp8Matrix::cat_rows(&parts).expect("same in and grid");
+        assert_eq!(all.dims(), [512, 128]);
+        let whole = host(crate::reference::dequantize_fp8(&all));
+        let mid = all.narrow_rows(128, 256).expect("aligned");
+        assert_eq!(
+            host(crate::reference::dequantize_fp8(&mid)),
+            host(crate::reference::dequantize_fp8(&parts[1]))
+        );
+        assert_eq!(&whole[..128 * inp], &host(crate::reference::dequantize_fp8(&parts[0]))[..]);
+        // Block grids are cut on block boundaries only; ragged parts cannot be stacked.
+        let blocks = |out: usize| {
+            let n = ScaleGrid::Blocks.len(out, inp);
+            Fp8Matrix::upload(&bytes(out * inp, 3), &vec![0.5; n], [out, inp], ScaleGrid::Blocks, &cpu())
+                .expect("shape")
+        };
+        assert!(blocks(256).narrow_rows(16, 128).is_none());
+        assert!(blocks(256).narrow_rows(128, 128).is_some());
+        assert!(Fp8Matrix::cat_rows(&[blocks(144), blocks(128)]).is_none());
+        assert!(Fp8Matrix::cat_rows(&[blocks(128), blocks(144)]).is_some());
+        assert!(Fp8Matrix::cat_rows(&[parts[0].clone(), blocks(128)]).is_none());
+    }
+
+    #[test]
+    fn upload_refuses_bad_lengths_and_shapes() {
+        let d = cpu();
+        assert_eq!(
+            Fp8Matrix::upload(&[0; 16 * 64], &[1.0; 16], [16, 96], ScaleGrid::PerRow, &d).err(),
+            Some(Fp8Error::Shape([16, 96]))
+        );
+        assert!(matches!(
+            Fp8Matrix::upload(&[0; 100], &[1.0; 16], [16, 64], ScaleGrid::PerRow, &d),
+            Err(Fp8Error::Length { what: "bytes", .. })
+        ));
+        assert!(matches!(
+            Fp8Matrix::upload(&[0; 16 * 64], &[1.0; 2], [16, 64], ScaleGrid::Blocks, &d),
+            Err(Fp8Error::Length { what: "scales", expected: 1, actual: 2 })
+        ));
+    }
+
+    #[test]
+    fn reference_product_matches_float64() {
+        let (out, inp, rows) = (32, 256, 3);
+        let b = bytes(out * inp, 11);
+        let scales: Vec<f32> = (0..out).map(|r| 0.01 + r as f32 * 1e-4).collect();
+        let m = Fp8Matrix::upload(&b, &scales, [out, inp], ScaleGrid::PerRow, &cpu()).expect("shape");
+        let xs: Vec<f32> = (0..rows * inp).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let x = Tensor::<2>::from_data(TensorData::new(xs.clone(), [rows, inp]), &cpu());
+        let y = host(linear_fp8(x, &m));
+        for r in 0..rows {
+            for o in 0..out {
+                let want: f64 = (0..inp)
+                    .map(|k| {
+                        f64::from(xs[r * inp + k])
+                            * f64::from(e4m3_to_f32(b[o * inp + k]))
+                            * f64::from(scales[o])
+                    })
+                    .sum();
+                let got = f64::from(y[r * out + o]);
+                assert!((got - want).abs() <= 1e-4 * (1.0 + want.abs()), "({r}, {o}): {got} vs {want}");
+            }
+        }
+    }
+}
