@@ -88,6 +88,19 @@ impl ComputeDtype {
         }
     }
 
+    /// The compute dtype of burn's `dtype`.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] for a dtype models do not compute in.
+    pub fn of(dtype: DType) -> Result<Self> {
+        match dtype {
+            DType::F32 => Ok(ComputeDtype::F32),
+            DType::BF16 => Ok(ComputeDtype::Bf16),
+            DType::F16 => Ok(ComputeDtype::F16),
+            other => Err(Error::Unsupported(format!("compute dtype {other:?}"))),
+        }
+    }
+
     /// Bytes per element.
     pub fn size(self) -> usize {
         match self {

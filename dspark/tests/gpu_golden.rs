@@ -340,3 +340,138 @@ fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
         assert!((f64::from(scored[i]) - lp).abs() < 1e-4, "row {i}: score {} vs {lp}", scored[i]);
     }
 }
+
+/// Greedy requests for the trained pair's first `n` held-out prompts.
+fn trained_requests(n: usize, tokens: usize) -> Vec<Request> {
+    heldout_prompts(n)
+        .into_iter()
+        .map(|prompt| Request { prompt, params: SamplingParams::greedy(tokens) })
+        .collect()
+}
+
+#[test]
+fn cuda_bf16_trained_pair_fp8_draft_greedy_speculative_equals_target_only() {
+    // Issue 8 item 4 and 5: the draft's projections in FP8 kept as FP8 on the device (the FP8
+    // skinny GEMM), then also an FP8 LM head for its base logits; greedy output must still
+    // equal target-only output, and τ is reported beside the bf16 draft's.
+    use dspark::model::fp8::DraftQuant;
+    let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
+    let target = || Qwen3::load(&models().join("tiny-code-qwen3"), opts()).unwrap();
+    let requests = trained_requests(8, 96);
+    let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
+    for (what, quant, head) in [("bf16", false, false), ("fp8", true, false), ("fp8 + fp8 head", true, true)]
+    {
+        let t = target();
+        let dir = models().join("tiny-code-dspark");
+        let cache = DraftCacheConfig::default();
+        let mut d = if quant {
+            DSparkDraft::load_quantized(&dir, &t, opts(), &cache, DraftQuant::Fp8PerChannel).unwrap()
+        } else {
+            DSparkDraft::load(&dir, &t, opts(), &cache).unwrap()
+        };
+        assert_eq!(d.fp8_on_device(), if quant { 15 } else { 0 }, "{what}: FP8 projections on the device");
+        if head {
+            d.quantize_lm_head().unwrap();
+        }
+        let mut spec = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+        let out = spec.generate(&requests).unwrap();
+        let (mut generated, mut rounds) = (0, 0);
+        for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
+            let first = o.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
+            assert_eq!(first, None, "{what}, prompt {i}: speculative and target-only greedy outputs differ");
+            assert_eq!(o.tokens.len(), r.tokens.len());
+            generated += o.tokens.len() - 1;
+            rounds += o.stats.rounds;
+        }
+        println!(
+            "cuda bf16 trained pair, draft {what}: greedy equal on {} prompts × 96, tau {:.3}",
+            requests.len(),
+            generated as f64 / rounds as f64
+        );
+    }
+}
+
+#[test]
+fn cuda_bf16_fp8_draft_sampled_output_has_the_target_distribution() {
+    use dspark::model::fp8::DraftQuant;
+    let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
+    let target = || Qwen3::load(&golden().join("tiny-qwen3"), opts()).unwrap();
+    let prompt = prompts()[0].clone();
+    let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    let exact = stats::exact_second_token(&target(), &prompt, &params, 0.0);
+    let t = target();
+    let mut d = DSparkDraft::load_quantized(
+        &golden().join("tiny-dspark"),
+        &t,
+        opts(),
+        &DraftCacheConfig::default(),
+        DraftQuant::Fp8PerChannel,
+    )
+    .unwrap();
+    assert_eq!(d.fp8_on_device(), 15);
+    d.quantize_lm_head().unwrap();
+    let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+    let counts = stats::second_token_counts(&mut e, &prompt, &params, 3000);
+    let (stat, df) = stats::chi_square(&counts, &exact);
+    let limit = stats::chi_square_limit(df);
+    println!("cuda bf16 FP8 draft + FP8 head, second token: chi2 {stat:.1} on {df} df (limit {limit:.1})");
+    assert!(stat < limit, "chi2 {stat:.1} ≥ {limit:.1} on {df} df");
+}
+
+#[test]
+fn cuda_bf16_qwen3_8b_shapes_fp8_draft_is_lossless() {
+    // A DSpark-shaped random draft quantised to FP8 (kept as FP8) with an FP8 LM head, against
+    // a Qwen3-8B-shaped random target: greedy speculative output equals target-only output.
+    use dspark::model::fp8::DraftQuant;
+    use dspark::model::{MarkovHeadType, default_target_layer_ids};
+    use dspark::{DSparkConfig, TargetBinding};
+
+    let config = qwen3_8b();
+    let target = || {
+        CUDA.device().unwrap().seed(8);
+        Qwen3::random(config.clone(), ComputeDtype::Bf16, CUDA).unwrap()
+    };
+    let requests: Vec<Request> = (0..4)
+        .map(|l| Request {
+            prompt: (0..7 + 13 * l).map(|i| ((i * 7919 + l * 104_729) % 151_000) as u32).collect(),
+            params: SamplingParams::greedy(64),
+        })
+        .collect();
+    let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
+    let t = target();
+    let mut base = config.clone();
+    base.num_hidden_layers = 5;
+    let draft_config = DSparkConfig {
+        base,
+        block_size: 7,
+        target_layer_ids: Some(default_target_layer_ids(36, 5)),
+        mask_token_id: 151_669,
+        markov_rank: 256,
+        markov_head_type: MarkovHeadType::Vanilla,
+        enable_confidence_head: true,
+        confidence_head_with_markov: true,
+        num_target_layers: Some(36),
+    };
+    let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
+    let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&t), &cache).unwrap();
+    let bf16_bytes = draft.weight_bytes();
+    draft.quantize(DraftQuant::Fp8PerChannel).unwrap();
+    let head = draft.quantize_lm_head().unwrap();
+    assert_eq!(draft.fp8_on_device(), 36);
+    println!(
+        "qwen3-8b shapes: draft weights {:.0} MiB in bf16, {:.0} MiB in FP8 with a {:.0} MiB FP8 LM head",
+        bf16_bytes as f64 / 1048576.0,
+        draft.weight_bytes() as f64 / 1048576.0,
+        head as f64 / 1048576.0
+    );
+    let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
+    let out = spec.generate(&requests).unwrap();
+    for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
+        let first = o.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
+        println!(
+            "qwen3-8b shapes, FP8 draft, lane {i}: first divergence {first:?}, {} rounds",
+            o.stats.rounds
+        );
+        assert_eq!(first, None, "lane {i}: speculative with an FP8 draft and target-only differ");
+    }
+}

@@ -68,6 +68,24 @@ impl PackedWeight {
         self.n
     }
 
+    /// Inputs.
+    pub(crate) fn k(&self) -> usize {
+        self.k
+    }
+
+    /// The weight back in row-major `[n, k]` (outputs × inputs).
+    pub(crate) fn to_out_in(&self) -> Vec<f32> {
+        let mut w = vec![0.0; self.n * self.k];
+        for (j, panel) in self.panels.chunks_exact(self.k * PANEL).enumerate() {
+            for (p, line) in panel.chunks_exact(PANEL).enumerate() {
+                for (cc, &v) in line.iter().enumerate().take(self.n.saturating_sub(j * PANEL)) {
+                    w[(j * PANEL + cc) * self.k + p] = v;
+                }
+            }
+        }
+        w
+    }
+
     /// `x · W` for `x` row-major `[m, k]`; returns `[m, n]` row-major.
     ///
     /// # Panics

@@ -8,7 +8,7 @@ use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
 use super::fp8::{DraftQuant, Fp8Counts, load_projection};
-use super::layer::{AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj};
+use super::layer::{AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj, Weight};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::markov_device::DeviceMarkov;
 use super::qwen3::{LoadOptions, Qwen3};
@@ -119,7 +119,11 @@ pub struct DSparkDraft {
     dtype: ComputeDtype,
     device: Device,
     embed_tokens: Tensor<2>,
+    /// The LM head the draft's base logits come from: the target's, or an FP8 copy of it
+    /// ([`DSparkDraft::quantize_lm_head`]).
     lm_head: Proj,
+    /// Whether `lm_head` is the draft's own FP8 copy.
+    fp8_lm_head: bool,
     fc: Proj,
     hidden_norm: Tensor<1>,
     layers: Vec<DecoderLayer>,
@@ -239,7 +243,7 @@ impl DSparkDraft {
         tracing::info!(dir = %dir.display(), block_size = config.block_size, ?layer_ids, "loading DSpark draft");
         let report = ckpt.reporter(progress);
         let mut fp8 = Fp8Counts::default();
-        let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Tensor<2>> {
+        let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Weight> {
             let (weight, layout) = load_projection(&ckpt, name, dims, dtype, &device, quant)?;
             fp8.add(layout);
             for scale in ["_scale_inv", "_scale"] {
@@ -247,7 +251,7 @@ impl DSparkDraft {
             }
             Ok(weight)
         };
-        let fc = Proj::new(matrix("fc.weight", [h, layer_ids.len() * h])?);
+        let fc = Proj::from_weight(matrix("fc.weight", [h, layer_ids.len() * h])?);
         let hidden_norm = ckpt.load("hidden_norm.weight", [h], dtype, &device)?;
         let norm = ckpt.load("norm.weight", [h], dtype, &device)?;
         let mut layers = Vec::with_capacity(b.num_hidden_layers);
@@ -264,7 +268,14 @@ impl DSparkDraft {
             )?);
         }
         if fp8.total() > 0 {
-            tracing::info!(?fp8, ?quant, "draft projections in FP8 (e4m3), dequantised to {dtype}");
+            let kept =
+                layers.iter().map(DecoderLayer::fp8_projections).sum::<usize>() + usize::from(fc.is_fp8());
+            tracing::info!(
+                ?fp8,
+                ?quant,
+                kept_as_fp8 = kept,
+                "draft projections in FP8 (e4m3); the rest dequantised to {dtype}"
+            );
         }
         let host = |name: &str, dims: &[usize]| -> Result<Vec<f32>> {
             let data = ckpt.read(name, dims, ComputeDtype::F32)?;
@@ -310,13 +321,42 @@ impl DSparkDraft {
     /// A draft with random weights at `config`'s shape, bound to `target` (on its device, in its
     /// dtype): for benchmarks at real shapes without a checkpoint (acceptance is meaningless).
     /// Weights are uniform in ±0.02, norms 1; the Markov and confidence heads are present as
-    /// configured. Random draws come from the device's generator (seed it for reproducibility).
+    /// configured. The projections are drawn by the device's generator (seed it for
+    /// reproducibility); the Markov and confidence heads, which live on the host, by a host
+    /// generator with a fixed seed (no device temporaries).
     ///
     /// # Errors
     /// [`Error::Config`] when the configuration does not fit the target (as for
     /// [`DSparkDraft::load`]) or has no `target_layer_ids`; [`Error::InvalidInput`] when the
     /// cache budget holds no page.
     pub fn random(config: DSparkConfig, target: TargetBinding, cache: &DraftCacheConfig) -> Result<Self> {
+        Self::random_impl(config, target, cache, None, 0)
+    }
+
+    /// As [`DSparkDraft::random`], with every projection drawn on the host (uniform in ±0.02,
+    /// generator seeded with `seed`) and quantised there as `quant` says, so no bf16 copy of the
+    /// draft ever exists on the device: what loading an FP8 checkpoint costs in device memory.
+    /// The projections are kept as FP8 where the device runs FP8 products.
+    ///
+    /// # Errors
+    /// As [`DSparkDraft::random`].
+    pub fn random_quantized(
+        config: DSparkConfig,
+        target: TargetBinding,
+        cache: &DraftCacheConfig,
+        quant: DraftQuant,
+        seed: u64,
+    ) -> Result<Self> {
+        Self::random_impl(config, target, cache, Some(quant), seed)
+    }
+
+    fn random_impl(
+        config: DSparkConfig,
+        target: TargetBinding,
+        cache: &DraftCacheConfig,
+        quant: Option<DraftQuant>,
+        seed: u64,
+    ) -> Result<Self> {
         let path = Path::new("<random draft>");
         config.base.validate(path)?;
         let layer_ids = check_fit(&config, &target, None, path)?;
@@ -333,15 +373,30 @@ impl DSparkDraft {
         };
         let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
         let dist = burn::tensor::Distribution::Uniform(-0.02, 0.02);
-        let fc = Proj::new(Tensor::random([h, layer_ids.len() * h], dist, opts.clone()));
+        let mut rng = HostUniform::new(seed);
+        let mut fp8 = Fp8Counts::default();
+        let fc_dims = [h, layer_ids.len() * h];
+        let fc = match quant {
+            None => Proj::new(Tensor::random(fc_dims, dist, opts.clone())),
+            Some(DraftQuant::Fp8PerChannel) => {
+                fp8.quantized_at_load += 1;
+                Proj::random_fp8(fc_dims, &mut || rng.next(0.02), dtype, &device)?
+            }
+        };
         let hidden_norm = Tensor::ones([h], opts.clone());
         let norm = Tensor::ones([h], opts);
-        let layers =
-            (0..b.num_hidden_layers).map(|_| DecoderLayer::random(shape, dtype, &device, 0.02)).collect();
-        // Host heads: drawn on the device in f32 and copied back.
-        let f32_opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
-        let host =
-            |len: usize| -> Result<Vec<f32>> { read_f32(Tensor::<1>::random([len], dist, f32_opts.clone())) };
+        let mut layers = Vec::with_capacity(b.num_hidden_layers);
+        for _ in 0..b.num_hidden_layers {
+            layers.push(match quant {
+                None => DecoderLayer::random(shape, dtype, &device, 0.02),
+                Some(DraftQuant::Fp8PerChannel) => {
+                    fp8.quantized_at_load += 7;
+                    DecoderLayer::random_fp8(shape, dtype, &device, &mut || rng.next(0.02))?
+                }
+            });
+        }
+        // Host heads, from a host generator (no device temporaries).
+        let mut host = |len: usize| -> Result<Vec<f32>> { Ok((0..len).map(|_| rng.next(0.02)).collect()) };
         let markov = if r == 0 {
             None
         } else {
@@ -369,8 +424,7 @@ impl DSparkDraft {
         } else {
             None
         };
-        let parts =
-            Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8: Fp8Counts::default() };
+        let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 };
         Self::assemble(config, target, parts, cache)
     }
 
@@ -405,6 +459,7 @@ impl DSparkDraft {
             dtype,
             embed_tokens: target.embed_tokens,
             lm_head: Proj::new(target.lm_head),
+            fp8_lm_head: false,
             device,
             fc,
             hidden_norm,
@@ -431,6 +486,71 @@ impl DSparkDraft {
     /// How many of the draft's projections are FP8 (stored or quantised at load), by layout.
     pub fn fp8_weights(&self) -> Fp8Counts {
         self.fp8
+    }
+
+    /// How many of the draft's projections are kept as FP8 on the device and multiplied by
+    /// [`dspark_kernels::linear_fp8`] (the rest are dense in the compute dtype): all of
+    /// [`DSparkDraft::fp8_weights`] where [`dspark_kernels::fp8::fp8_weights_run`] holds (CUDA,
+    /// bf16), none on the CPU reference path. The FP8 LM head is not counted here.
+    pub fn fp8_on_device(&self) -> usize {
+        self.layers.iter().map(DecoderLayer::fp8_projections).sum::<usize>() + usize::from(self.fc.is_fp8())
+    }
+
+    /// Quantise the draft's projections (each layer's q/k/v/o and gate/up/down, and `fc`) to
+    /// e4m3 as [`DSparkDraft::load_quantized`] does, in place: for a draft built some other way
+    /// (e.g. [`DSparkDraft::random`] for benchmarks). Projections already in FP8 stay as they
+    /// are. Each weight is read back to the host, quantised and replaced before the next.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when a weight holds a non-finite value.
+    pub fn quantize(&mut self, quant: DraftQuant) -> Result<()> {
+        let DraftQuant::Fp8PerChannel = quant;
+        let before = self.fp8_on_device();
+        if !self.fc.is_fp8() {
+            self.fc = self.fc.quantized()?;
+        }
+        for layer in &mut self.layers {
+            *layer = layer.quantized()?;
+        }
+        let newly = self.layers.len() * 7 + 1 - self.fp8.total();
+        self.fp8.quantized_at_load += newly;
+        tracing::info!(
+            newly,
+            kept_as_fp8 = self.fp8_on_device(),
+            before,
+            "draft projections quantised to e4m3"
+        );
+        Ok(())
+    }
+
+    /// Use an FP8 copy of the target's LM head (e4m3, per-row scales) for the draft's base
+    /// logits. The target's own logits, and so acceptance, stay exact: only the proposal changes,
+    /// and the draft samples from what it computes. On CUDA in bf16 the copy is kept as FP8
+    /// (`vocab · hidden` bytes plus scales, about 0.62 GB for Qwen3-8B; it counts toward the
+    /// speculative engine's memory), elsewhere dequantised. Returns the copy's bytes.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when the head holds a non-finite value.
+    pub fn quantize_lm_head(&mut self) -> Result<usize> {
+        if !self.fp8_lm_head {
+            self.lm_head = self.lm_head.quantized()?;
+            self.fp8_lm_head = true;
+        }
+        Ok(self.lm_head.bytes())
+    }
+
+    /// Whether the draft's base logits come from an FP8 copy of the LM head.
+    pub fn has_fp8_lm_head(&self) -> bool {
+        self.fp8_lm_head
+    }
+
+    /// Bytes of the draft's own weights on its device (layers, `fc`, norms; an FP8 LM head copy
+    /// if there is one), not counting the target's embedding and head it borrows, the Markov and
+    /// confidence heads or the KV cache.
+    pub fn weight_bytes(&self) -> usize {
+        let head = if self.fp8_lm_head { self.lm_head.bytes() } else { 0 };
+        let norms = 2 * self.config.base.hidden_size * self.dtype.size();
+        self.layers.iter().map(DecoderLayer::weight_bytes).sum::<usize>() + self.fc.bytes() + norms + head
     }
 
     /// The draft's configuration.
@@ -851,6 +971,24 @@ impl Speculator for DSparkDraft {
 
     fn end(&mut self, seq: SeqId) -> Result<()> {
         self.cache.free(seq)
+    }
+}
+
+/// Uniform draws on the host (xorshift64*): random drafts' heads and FP8 projections.
+struct HostUniform(u64);
+
+impl HostUniform {
+    fn new(seed: u64) -> Self {
+        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+
+    /// Uniform in `±scale`.
+    fn next(&mut self, scale: f32) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let bits = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
+        (bits as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
     }
 }
 

@@ -24,42 +24,27 @@
 //! Anything else (another scale shape, a missing scale, another FP8 flavour such as `F8_E5M2`
 //! or the `FNUZ` variants) is refused with a typed [`Error`] naming the tensor.
 //!
-//! On the CPU reference path the weights are dequantised at load to the compute dtype
-//! (`decode(byte) × scale`, one f32 product per element, then rounded to the compute dtype):
-//! the draft then computes exactly the proposal distribution it samples from, which is all
-//! speculative decoding's exactness needs.
+//! Where the CUDA kernels run in bf16 ([`dspark_kernels::fp8::fp8_weights_run`]), the bytes and
+//! scales stay FP8 on the device ([`dspark_kernels::Fp8Matrix`], half the bytes of bf16) and
+//! every product with them is [`dspark_kernels::linear_fp8`]: exact e4m3 weights, f32 sums, the
+//! scales applied to the sums. Elsewhere (the CPU reference path) the weights are dequantised at
+//! load to the compute dtype (`decode(byte) × scale`, one f32 product per element, then rounded
+//! to the compute dtype). Either way the draft computes exactly the proposal distribution it
+//! samples from, which is all speculative decoding's exactness needs.
 
 use std::path::Path;
 
-use burn::tensor::{Device, Tensor};
+use burn::tensor::Device;
+use dspark_kernels::fp8::{Fp8Matrix, ScaleGrid};
 use safetensors::Dtype;
+
+use super::layer::Weight;
 
 use crate::device::ComputeDtype;
 use crate::error::{Error, Result};
 use crate::weights::{Checkpoint, host_f32_tensor};
 
-/// Largest finite e4m3 magnitude.
-pub const E4M3_MAX: f32 = 448.0;
-
-/// Side of the square scale blocks of the block-scaled layout.
-pub const BLOCK: usize = 128;
-
-/// Decode one e4m3fn byte exactly (NaN for 0x7F and 0xFF).
-pub fn e4m3_to_f32(byte: u8) -> f32 {
-    let sign = u32::from(byte >> 7) << 31;
-    let exp = u32::from((byte >> 3) & 0xF);
-    let man = u32::from(byte & 0x7);
-    if exp == 0xF && man == 0x7 {
-        return f32::from_bits(sign | 0x7FC0_0000);
-    }
-    if exp == 0 {
-        // Subnormal: m · 2^-9, exact in f32 (2^-9 has bits 0x3B00_0000).
-        let magnitude = man as f32 * f32::from_bits(0x3B00_0000);
-        return f32::from_bits(sign | magnitude.to_bits());
-    }
-    // Normal: rebias the exponent (7 → 127) and move the mantissa to the top of f32's 23 bits.
-    f32::from_bits(sign | ((exp + 120) << 23) | (man << 20))
-}
+pub use dspark_kernels::fp8::{BLOCK, E4M3_MAX, e4m3_to_f32};
 
 /// Round `x` to the nearest e4m3fn value, ties to even, saturating at ±448; NaN gives 0x7F.
 pub fn f32_to_e4m3(x: f32) -> u8 {
@@ -193,23 +178,15 @@ pub fn dequantize_blocks(bytes: &[u8], scales: &[f32], rows: usize, cols: usize)
     out
 }
 
-/// Read the `[out, in]` projection `name` as host f32 values: dequantised when stored as
-/// `F8_E4M3` (with its layout), converted when stored as f32/bf16/f16.
-///
-/// # Errors
-/// [`Error::MissingTensor`] for a missing weight or scale; [`Error::TensorShape`] for a weight or
-/// scale of the wrong shape; [`Error::TensorDtype`] for an unsupported weight or scale dtype;
-/// [`Error::Safetensors`] for NaN FP8 values or non-finite scales. All name the tensor.
-pub fn read_matrix(
-    ckpt: &Checkpoint,
-    name: &str,
-    shape: [usize; 2],
-) -> Result<(Vec<f32>, Option<Fp8Layout>)> {
+/// The stored parts of an `F8_E4M3` projection: its bytes (row-major `[out, in]`), its f32
+/// scales and their grid, checked as [`read_matrix`] describes; `None` when `name` is not stored
+/// as `F8_E4M3`.
+type Fp8Parts<'a> = (&'a [u8], Vec<f32>, ScaleGrid, Fp8Layout);
+
+fn read_fp8<'a>(ckpt: &'a Checkpoint, name: &str, shape: [usize; 2]) -> Result<Option<Fp8Parts<'a>>> {
     let raw = ckpt.raw(name)?;
     if raw.dtype != Dtype::F8_E4M3 {
-        let data = ckpt.read(name, &shape, ComputeDtype::F32)?;
-        let values = data.try_into_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-        return Ok((values, None));
+        return Ok(None);
     }
     let [rows, cols] = shape;
     if raw.shape != shape {
@@ -249,20 +226,86 @@ pub fn read_matrix(
     if scales.iter().any(|s| !s.is_finite()) {
         return Err(nan_error(scale_raw.path, &scale_name, "holds non-finite scales"));
     }
-    Ok(if per_channel {
-        (dequantize_per_channel(raw.bytes, &scales, cols), Some(Fp8Layout::PerChannel))
+    Ok(Some(if per_channel {
+        (raw.bytes, scales, ScaleGrid::PerRow, Fp8Layout::PerChannel)
     } else {
-        (dequantize_blocks(raw.bytes, &scales, rows, cols), Some(Fp8Layout::BlockScaled))
-    })
+        (raw.bytes, scales, ScaleGrid::Blocks, Fp8Layout::BlockScaled)
+    }))
+}
+
+/// Read the `[out, in]` projection `name` as host f32 values: dequantised when stored as
+/// `F8_E4M3` (with its layout), converted when stored as f32/bf16/f16.
+///
+/// # Errors
+/// [`Error::MissingTensor`] for a missing weight or scale; [`Error::TensorShape`] for a weight or
+/// scale of the wrong shape; [`Error::TensorDtype`] for an unsupported weight or scale dtype;
+/// [`Error::Safetensors`] for NaN FP8 values or non-finite scales. All name the tensor.
+pub fn read_matrix(
+    ckpt: &Checkpoint,
+    name: &str,
+    shape: [usize; 2],
+) -> Result<(Vec<f32>, Option<Fp8Layout>)> {
+    let [rows, cols] = shape;
+    match read_fp8(ckpt, name, shape)? {
+        None => {
+            let data = ckpt.read(name, &shape, ComputeDtype::F32)?;
+            let values = data.try_into_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+            Ok((values, None))
+        }
+        Some((bytes, scales, ScaleGrid::PerRow, layout)) => {
+            Ok((dequantize_per_channel(bytes, &scales, cols), Some(layout)))
+        }
+        Some((bytes, scales, ScaleGrid::Blocks, layout)) => {
+            Ok((dequantize_blocks(bytes, &scales, rows, cols), Some(layout)))
+        }
+    }
+}
+
+/// An FP8 weight where the device keeps FP8 ([`dspark_kernels::fp8::fp8_weights_run`] and a
+/// supported shape): `None` elsewhere.
+fn device_fp8(
+    bytes: &[u8],
+    scales: &[f32],
+    shape: [usize; 2],
+    grid: ScaleGrid,
+    dtype: ComputeDtype,
+    device: &Device,
+    name: &str,
+) -> Result<Option<Weight>> {
+    let [rows, cols] = shape;
+    if !dspark_kernels::fp8::fp8_weights_run(device, dtype.dtype()) || !Fp8Matrix::shape_supported(rows, cols)
+    {
+        return Ok(None);
+    }
+    Fp8Matrix::upload(bytes, scales, shape, grid, device)
+        .map(|m| Some(Weight::Fp8(m)))
+        .map_err(|e| Error::InvalidInput(format!("tensor {name}: {e}")))
+}
+
+/// A per-channel quantised `[out, in]` matrix as a projection weight: kept as FP8 where the
+/// device does that, else dequantised to `dtype`.
+pub(crate) fn per_channel_weight(
+    q: &QuantizedRows,
+    shape: [usize; 2],
+    dtype: ComputeDtype,
+    device: &Device,
+    name: &str,
+) -> Result<Weight> {
+    if let Some(w) = device_fp8(&q.bytes, &q.scales, shape, ScaleGrid::PerRow, dtype, device, name)? {
+        return Ok(w);
+    }
+    let values = dequantize_per_channel(&q.bytes, &q.scales, shape[1]);
+    Ok(Weight::Dense(host_f32_tensor(&values, shape, dtype, device)))
 }
 
 fn nan_error(path: &Path, tensor: &str, what: &str) -> Error {
     Error::Safetensors { path: path.to_path_buf(), message: format!("tensor {tensor} {what}") }
 }
 
-/// Load the `[out, in]` projection `name` on `device` in `dtype`: FP8 checkpoints dequantised,
-/// other weights as stored or, with `quant`, quantised to e4m3 and dequantised. Weights already
-/// stored in FP8 are used as stored, never quantised again.
+/// Load the `[out, in]` projection `name` on `device` in `dtype`: FP8 checkpoints kept as FP8
+/// where the device runs FP8 products (else dequantised), other weights as stored or, with
+/// `quant`, quantised to e4m3 (kept as FP8 or dequantised likewise). Weights already stored in
+/// FP8 are used as stored, never quantised again.
 pub(crate) fn load_projection(
     ckpt: &Checkpoint,
     name: &str,
@@ -270,15 +313,21 @@ pub(crate) fn load_projection(
     dtype: ComputeDtype,
     device: &Device,
     quant: Option<DraftQuant>,
-) -> Result<(Tensor<2>, Option<Fp8Layout>)> {
-    let fp8 = ckpt.dtype(name) == Some(Dtype::F8_E4M3);
-    if !fp8 && quant.is_none() {
-        return Ok((ckpt.load(name, shape, dtype, device)?, None));
+) -> Result<(Weight, Option<Fp8Layout>)> {
+    if let Some((bytes, scales, grid, layout)) = read_fp8(ckpt, name, shape)? {
+        if let Some(w) = device_fp8(bytes, &scales, shape, grid, dtype, device, name)? {
+            return Ok((w, Some(layout)));
+        }
+        let values = match grid {
+            ScaleGrid::PerRow => dequantize_per_channel(bytes, &scales, shape[1]),
+            ScaleGrid::Blocks => dequantize_blocks(bytes, &scales, shape[0], shape[1]),
+        };
+        return Ok((Weight::Dense(host_f32_tensor(&values, shape, dtype, device)), Some(layout)));
     }
-    let (values, layout) = read_matrix(ckpt, name, shape)?;
-    if fp8 {
-        return Ok((host_f32_tensor(&values, shape, dtype, device), layout));
+    if quant.is_none() {
+        return Ok((Weight::Dense(ckpt.load(name, shape, dtype, device)?), None));
     }
+    let (values, _) = read_matrix(ckpt, name, shape)?;
     let [rows, cols] = shape;
     let q = quantize_per_channel(&values, rows, cols).map_err(|e| match e {
         Error::InvalidInput(m) => {
@@ -286,8 +335,7 @@ pub(crate) fn load_projection(
         }
         other => other,
     })?;
-    let values = dequantize_per_channel(&q.bytes, &q.scales, cols);
-    Ok((host_f32_tensor(&values, shape, dtype, device), Some(Fp8Layout::QuantizedAtLoad)))
+    Ok((per_channel_weight(&q, shape, dtype, device, name)?, Some(Fp8Layout::QuantizedAtLoad)))
 }
 
 #[cfg(test)]

@@ -4,11 +4,13 @@
 use std::sync::Arc;
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use dspark_kernels::{AttentionMask, add_rms_norm, attention, qk_norm_rope, rms_norm_rows, swiglu_cols};
+use dspark_kernels::{
+    AttentionMask, Fp8Matrix, add_rms_norm, attention, linear_fp8, qk_norm_rope, rms_norm_rows, swiglu_cols,
+};
 
 use super::cpu_gemm::PackedWeight;
 use crate::device::ComputeDtype;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::weights::Checkpoint;
 
@@ -68,31 +70,112 @@ fn fuse_projections(w: &Tensor<2>) -> bool {
     dspark_kernels::kernels_available(&w.device()) && w.dtype() == DType::BF16
 }
 
+/// Weights that read the same input as one weight, where [`fuse_projections`] says so (dense)
+/// or where they stack ([`Fp8Matrix::cat_rows`]); `None`: keep them apart.
+fn fused(parts: &[Weight]) -> Option<Proj> {
+    match parts {
+        [Weight::Dense(first), ..] if fuse_projections(first) => {
+            let dense: Option<Vec<Tensor<2>>> = parts
+                .iter()
+                .map(|w| match w {
+                    Weight::Dense(t) => Some(t.clone()),
+                    Weight::Fp8(_) => None,
+                })
+                .collect();
+            dense.map(|ts| Proj::new(Tensor::cat(ts, 0)))
+        }
+        [Weight::Fp8(_), ..] => {
+            let fp8: Option<Vec<Fp8Matrix>> = parts
+                .iter()
+                .map(|w| match w {
+                    Weight::Fp8(m) => Some(m.clone()),
+                    Weight::Dense(_) => None,
+                })
+                .collect();
+            fp8.and_then(|ms| Fp8Matrix::cat_rows(&ms)).map(|m| Proj(ProjKind::Fp8(m)))
+        }
+        _ => None,
+    }
+}
+
 impl AttnIn {
-    fn new(q: Tensor<2>, k: Tensor<2>, v: Tensor<2>) -> Self {
-        if fuse_projections(&q) {
-            Self::Fused(Proj::new(Tensor::cat(vec![q, k, v], 0)))
-        } else {
-            Self::Split { q: Proj::new(q), k: Proj::new(k), v: Proj::new(v) }
+    fn new(q: Weight, k: Weight, v: Weight) -> Self {
+        let parts = [q, k, v];
+        if let Some(w) = fused(&parts) {
+            return Self::Fused(w);
+        }
+        let [q, k, v] = parts.map(Proj::from_weight);
+        Self::Split { q, k, v }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Split { q, k, v } => q.bytes() + k.bytes() + v.bytes(),
+            Self::Fused(w) => w.bytes(),
         }
     }
 
-    fn dtype(&self) -> DType {
-        match self {
-            Self::Split { q, .. } => q.dtype(),
-            Self::Fused(w) => w.dtype(),
-        }
+    fn quantized(&self) -> Result<Self> {
+        Ok(match self {
+            Self::Split { q, k, v } => {
+                Self::Split { q: q.quantized()?, k: k.quantized()?, v: v.quantized()? }
+            }
+            Self::Fused(w) => Self::Fused(w.quantized()?),
+        })
     }
 }
 
 impl MlpIn {
     fn new(gate: Tensor<2>, up: Tensor<2>) -> Self {
-        if fuse_projections(&gate) {
-            Self::Fused(Proj::new(Tensor::cat(vec![gate, up], 0)))
-        } else {
-            Self::Split { gate: Proj::new(gate), up: Proj::new(up) }
+        Self::from_weights(Weight::Dense(gate), Weight::Dense(up))
+    }
+
+    fn from_weights(gate: Weight, up: Weight) -> Self {
+        let parts = [gate, up];
+        if let Some(w) = fused(&parts) {
+            return Self::Fused(w);
+        }
+        let [gate, up] = parts.map(Proj::from_weight);
+        Self::Split { gate, up }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Split { gate, up } => gate.bytes() + up.bytes(),
+            Self::Fused(w) => w.bytes(),
         }
     }
+
+    fn quantized(&self) -> Result<Self> {
+        Ok(match self {
+            Self::Split { gate, up } => Self::Split { gate: gate.quantized()?, up: up.quantized()? },
+            Self::Fused(w) => Self::Fused(w.quantized()?),
+        })
+    }
+}
+
+/// A random `[out, in]` weight drawn on the host, quantised per channel there and kept as FP8
+/// where the device runs FP8 products (else dequantised).
+fn random_fp8_weight(
+    [out, inp]: [usize; 2],
+    draw: &mut impl FnMut() -> f32,
+    dtype: ComputeDtype,
+    device: &Device,
+) -> Result<Weight> {
+    let values: Vec<f32> = (0..out * inp).map(|_| draw()).collect();
+    let q = super::fp8::quantize_per_channel(&values, out, inp)?;
+    drop(values);
+    super::fp8::per_channel_weight(&q, [out, inp], dtype, device, "random")
+}
+
+/// A projection weight as loaded: a dense tensor in the compute dtype, or e4m3 bytes and scales
+/// kept as FP8 on a device that runs FP8 products (see [`super::fp8`]).
+// Passed along at load, a few per layer: the size difference does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone)]
+pub(crate) enum Weight {
+    Dense(Tensor<2>),
+    Fp8(Fp8Matrix),
 }
 
 /// The page tables of one batched forward on the device, for [`dspark_kernels::paged_attention`]:
@@ -157,6 +240,8 @@ enum ProjKind {
     Burn { weight: Tensor<2>, transposed: bool },
     /// f32 on the CPU, packed on the host.
     Host(Arc<PackedWeight>),
+    /// e4m3 bytes and scales on the device, multiplied by [`linear_fp8`].
+    Fp8(Fp8Matrix),
 }
 
 impl Proj {
@@ -176,9 +261,79 @@ impl Proj {
         Self(ProjKind::Burn { weight, transposed: true })
     }
 
+    /// The projection of a loaded weight.
+    pub(crate) fn from_weight(weight: Weight) -> Self {
+        match weight {
+            Weight::Dense(t) => Self::new(t),
+            Weight::Fp8(m) => Self(ProjKind::Fp8(m)),
+        }
+    }
+
+    /// Whether the weight is kept as FP8.
+    pub(crate) fn is_fp8(&self) -> bool {
+        matches!(self.0, ProjKind::Fp8(_))
+    }
+
+    /// Bytes the weight occupies (FP8: one per element plus the scales).
+    pub(crate) fn bytes(&self) -> usize {
+        match &self.0 {
+            ProjKind::Burn { weight, .. } => weight.shape().num_elements() * weight.dtype().size(),
+            ProjKind::Host(w) => w.n() * w.k() * 4,
+            ProjKind::Fp8(m) => m.bytes(),
+        }
+    }
+
+    /// `[out, in]` values on the host as f32, with the device and dtype the weight computes in.
+    fn host_values(&self) -> Result<(Vec<f32>, [usize; 2], Device, ComputeDtype)> {
+        let backend = |e| Error::Backend(format!("reading a projection weight back: {e:?}"));
+        match &self.0 {
+            ProjKind::Burn { weight, transposed } => {
+                let w = if *transposed { weight.clone().transpose() } else { weight.clone() };
+                let dims = w.dims();
+                let dtype = ComputeDtype::of(w.dtype())?;
+                let device = w.device();
+                let values = w.into_data().convert::<f32>().try_into_vec::<f32>().map_err(backend)?;
+                Ok((values, dims, device, dtype))
+            }
+            ProjKind::Host(w) => {
+                let device = crate::device::DeviceKind::Cpu.device()?;
+                Ok((w.to_out_in(), [w.n(), w.k()], device, ComputeDtype::F32))
+            }
+            ProjKind::Fp8(_) => Err(Error::Unsupported("an FP8 weight is not quantised again".into())),
+        }
+    }
+
+    /// The weight quantised to e4m3 with per-output-channel scales
+    /// ([`DraftQuant::Fp8PerChannel`](super::fp8::DraftQuant)), kept as FP8 where the device runs
+    /// FP8 products and dequantised elsewhere; an FP8 weight is returned as it is.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when the weight holds a non-finite value.
+    pub(crate) fn quantized(&self) -> Result<Self> {
+        if self.is_fp8() {
+            return Ok(self.clone());
+        }
+        let (values, [out, inp], device, dtype) = self.host_values()?;
+        let q = super::fp8::quantize_per_channel(&values, out, inp)?;
+        let weight = super::fp8::per_channel_weight(&q, [out, inp], dtype, &device, "projection")?;
+        Ok(Self::from_weight(weight))
+    }
+
+    /// A random `[out, in]` weight drawn on the host by `draw`, quantised per channel there
+    /// (see [`Proj::quantized`]): no dense copy reaches the device.
+    pub(crate) fn random_fp8(
+        dims: [usize; 2],
+        draw: &mut impl FnMut() -> f32,
+        dtype: ComputeDtype,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self::from_weight(random_fp8_weight(dims, draw, dtype, device)?))
+    }
+
     /// `x · Wᵀ` for the `[out, in]` weight.
     pub(crate) fn apply(&self, x: Tensor<2>) -> Tensor<2> {
         match &self.0 {
+            ProjKind::Fp8(m) => linear_fp8(x, m),
             ProjKind::Burn { weight, transposed: true } => x.matmul(weight.clone()),
             ProjKind::Burn { weight, transposed: false } => linear(x, weight),
             ProjKind::Host(w) => {
@@ -202,14 +357,10 @@ impl Proj {
             ProjKind::Burn { weight, transposed: false } => linear(x, &weight.clone().narrow(0, start, len)),
             ProjKind::Burn { weight, transposed: true } => x.matmul(weight.clone().narrow(1, start, len)),
             ProjKind::Host(_) => self.apply(x).narrow(1, start, len),
-        }
-    }
-
-    /// Element type of the weight.
-    pub(crate) fn dtype(&self) -> DType {
-        match &self.0 {
-            ProjKind::Burn { weight, .. } => weight.dtype(),
-            ProjKind::Host(_) => DType::F32,
+            ProjKind::Fp8(m) => match m.narrow_rows(start, len) {
+                Some(rows) => linear_fp8(x, &rows),
+                None => linear_fp8(x, m).narrow(1, start, len),
+            },
         }
     }
 }
@@ -227,7 +378,7 @@ impl DecoderLayer {
         device: &Device,
         loaded: impl FnMut(&str),
     ) -> Result<Self> {
-        let matrix = |name: &str, dims: [usize; 2]| ckpt.load(name, dims, dtype, device);
+        let matrix = |name: &str, dims: [usize; 2]| ckpt.load(name, dims, dtype, device).map(Weight::Dense);
         Self::load_with(ckpt, prefix, shape, dtype, device, loaded, matrix)
     }
 
@@ -240,10 +391,10 @@ impl DecoderLayer {
         dtype: ComputeDtype,
         device: &Device,
         mut loaded: impl FnMut(&str),
-        mut load_matrix: impl FnMut(&str, [usize; 2]) -> Result<Tensor<2>>,
+        mut load_matrix: impl FnMut(&str, [usize; 2]) -> Result<Weight>,
     ) -> Result<Self> {
         let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
-        let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Tensor<2>> {
+        let mut matrix = |name: &str, dims: [usize; 2]| -> Result<Weight> {
             let full = format!("{prefix}{name}");
             let t = load_matrix(&full, dims)?;
             loaded(&full);
@@ -254,12 +405,12 @@ impl DecoderLayer {
             matrix("self_attn.k_proj.weight", [kv_heads * head_dim, hidden])?,
             matrix("self_attn.v_proj.weight", [kv_heads * head_dim, hidden])?,
         );
-        let o_proj = Proj::new(matrix("self_attn.o_proj.weight", [hidden, heads * head_dim])?);
-        let mlp_in = MlpIn::new(
+        let o_proj = Proj::from_weight(matrix("self_attn.o_proj.weight", [hidden, heads * head_dim])?);
+        let mlp_in = MlpIn::from_weights(
             matrix("mlp.gate_proj.weight", [intermediate, hidden])?,
             matrix("mlp.up_proj.weight", [intermediate, hidden])?,
         );
-        let down_proj = Proj::new(matrix("mlp.down_proj.weight", [hidden, intermediate])?);
+        let down_proj = Proj::from_weight(matrix("mlp.down_proj.weight", [hidden, intermediate])?);
         let mut vector = |name: &str, len: usize| -> Result<Tensor<1>> {
             let full = format!("{prefix}{name}");
             let t = ckpt.load(&full, [len], dtype, device)?;
@@ -290,9 +441,9 @@ impl DecoderLayer {
         Self {
             input_layernorm: ones(hidden),
             attn_in: AttnIn::new(
-                matrix(heads * head_dim, hidden),
-                matrix(kv_heads * head_dim, hidden),
-                matrix(kv_heads * head_dim, hidden),
+                Weight::Dense(matrix(heads * head_dim, hidden)),
+                Weight::Dense(matrix(kv_heads * head_dim, hidden)),
+                Weight::Dense(matrix(kv_heads * head_dim, hidden)),
             ),
             o_proj: Proj::new(matrix(hidden, heads * head_dim)),
             q_norm: ones(head_dim),
@@ -304,15 +455,70 @@ impl DecoderLayer {
         }
     }
 
-    /// Bytes of this layer's weights.
+    /// As [`DecoderLayer::random`] with FP8 projections drawn on the host ([`Proj::random_fp8`];
+    /// q/k/v and gate/up stacked as the loader stacks them).
+    pub(crate) fn random_fp8(
+        shape: LayerShape,
+        dtype: ComputeDtype,
+        device: &Device,
+        draw: &mut impl FnMut() -> f32,
+    ) -> Result<Self> {
+        let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+        let ones = |len: usize| Tensor::<1>::ones([len], opts.clone());
+        let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
+        let mut weight = |out: usize, inp: usize| random_fp8_weight([out, inp], draw, dtype, device);
+        let q = weight(heads * head_dim, hidden)?;
+        let k = weight(kv_heads * head_dim, hidden)?;
+        let v = weight(kv_heads * head_dim, hidden)?;
+        let o = weight(hidden, heads * head_dim)?;
+        let gate = weight(intermediate, hidden)?;
+        let up = weight(intermediate, hidden)?;
+        let down = weight(hidden, intermediate)?;
+        Ok(Self {
+            input_layernorm: ones(hidden),
+            attn_in: AttnIn::new(q, k, v),
+            o_proj: Proj::from_weight(o),
+            q_norm: ones(head_dim),
+            k_norm: ones(head_dim),
+            post_attention_layernorm: ones(hidden),
+            mlp_in: MlpIn::from_weights(gate, up),
+            down_proj: Proj::from_weight(down),
+            shape,
+        })
+    }
+
+    /// Bytes of this layer's weights (FP8 projections at one byte per weight plus scales).
     pub fn weight_bytes(&self) -> usize {
-        let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = self.shape;
-        let elems = 2 * heads * head_dim * hidden
-            + 2 * kv_heads * head_dim * hidden
-            + 3 * intermediate * hidden
-            + 2 * hidden
-            + 2 * head_dim;
-        elems * self.attn_in.dtype().size()
+        let LayerShape { hidden, head_dim, .. } = self.shape;
+        let norms = (2 * hidden + 2 * head_dim) * self.input_layernorm.dtype().size();
+        norms + self.attn_in.bytes() + self.o_proj.bytes() + self.mlp_in.bytes() + self.down_proj.bytes()
+    }
+
+    /// This layer with its seven projections quantised to e4m3 as [`Proj::quantized`] does.
+    ///
+    /// # Errors
+    /// As [`Proj::quantized`].
+    pub(crate) fn quantized(&self) -> Result<Self> {
+        Ok(Self {
+            attn_in: self.attn_in.quantized()?,
+            o_proj: self.o_proj.quantized()?,
+            mlp_in: self.mlp_in.quantized()?,
+            down_proj: self.down_proj.quantized()?,
+            ..self.clone()
+        })
+    }
+
+    /// How many of this layer's weights are FP8 matrices (a fused weight counts once per part).
+    pub(crate) fn fp8_projections(&self) -> usize {
+        let attn = match &self.attn_in {
+            AttnIn::Split { q, k, v } => [q, k, v].iter().filter(|p| p.is_fp8()).count(),
+            AttnIn::Fused(w) => 3 * usize::from(w.is_fp8()),
+        };
+        let mlp = match &self.mlp_in {
+            MlpIn::Split { gate, up } => [gate, up].iter().filter(|p| p.is_fp8()).count(),
+            MlpIn::Fused(w) => 2 * usize::from(w.is_fp8()),
+        };
+        attn + mlp + usize::from(self.o_proj.is_fp8()) + usize::from(self.down_proj.is_fp8())
     }
 
     /// Names of this layer's tensors under `prefix`.

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use serde_json::Value;
 
 pub mod checks;
+pub mod fp8_ckpt;
 pub mod stats;
 
 /// The golden fixtures; `DSPARK_GOLDEN` overrides the path (for test binaries run elsewhere,
