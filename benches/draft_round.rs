@@ -57,6 +57,11 @@ struct Args {
     /// Timed repetitions (medians are reported).
     #[arg(long, default_value_t = 20)]
     reps: usize,
+    /// Draft weights to time, each a table row per layout: `bf16` (as built), `fp8` (projections
+    /// quantised to e4m3, per-channel scales) or `fp8h` (also an FP8 copy of the LM head for the
+    /// base logits).
+    #[arg(long, value_delimiter = ',', default_value = "bf16")]
+    weights: Vec<String>,
     /// Acceptance lengths τ at which to report the implied speedup.
     #[arg(long, value_delimiter = ',', default_value = "3.35,6.0")]
     tau: Vec<f64>,
@@ -139,15 +144,20 @@ fn main() -> dspark::Result<()> {
     memory_at("target steps", &meter, &device);
 
     let mut header = String::from(
-        "| device | dtype | draft | γ | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
+        "| device | dtype | draft | γ | weights | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
     );
-    let mut rule = String::from("|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rule = String::from("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for tau in &args.tau {
         header.push_str(&format!(" implied speedup τ={tau} |"));
         rule.push_str("---|");
     }
     println!("{header}\n{rule}");
-    for spec in &args.layouts {
+    for w in &args.weights {
+        if !["bf16", "fp8", "fp8h"].contains(&w.as_str()) {
+            return Err(dspark::Error::InvalidInput(format!("--weights {w:?}: expected bf16, fp8 or fp8h")));
+        }
+    }
+    for (spec, weights) in args.layouts.iter().flat_map(|l| args.weights.iter().map(move |w| (l, w))) {
         let confidence = spec.ends_with('c');
         let gamma: usize = spec
             .trim_end_matches('c')
@@ -160,12 +170,29 @@ fn main() -> dspark::Result<()> {
         let verify = time(&device, args.warmup, args.reps, || step(&window))?;
         memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
         let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
-        let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?;
+        let t = Instant::now();
+        let mut draft = if weights == "bf16" {
+            DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?
+        } else {
+            // Drawn and quantised on the host: no bf16 copy on the device (as an FP8 checkpoint).
+            let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
+            DSparkDraft::random_quantized(draft_config, TargetBinding::of(&target), &cache_config, fp8, 1)?
+        };
+        if weights != "bf16" {
+            if weights == "fp8h" {
+                draft.quantize_lm_head()?;
+            }
+            eprintln!(
+                "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8",
+                t.elapsed().as_secs_f64(),
+                draft.fp8_on_device()
+            );
+        }
         let width = draft.feature_layers().len() * config.hidden_size;
         let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
         let features =
             |rows: usize| Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), opts.clone());
-        memory_at(&format!("building the {spec} draft"), &meter, &device);
+        memory_at(&format!("building the {spec} {weights} draft"), &meter, &device);
         let dseq = draft.begin();
         draft.extend_context(dseq, features(args.context))?;
         memory_at("the first context extension", &meter, &device);
@@ -197,10 +224,11 @@ fn main() -> dspark::Result<()> {
         memory_at("sampled proposals", &meter, &device);
         let round = extend + p_greedy + verify;
         let mut row = format!(
-            "| {} | {} | {} | {gamma} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            "| {} | {} | {} | {gamma} | {weights} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
             args.device,
             dtype,
             if confidence { "confidence" } else { "no confidence" },
+            draft.weight_bytes() as f64 / (1 << 20) as f64,
             one_row * 1e3,
             verify * 1e3,
             verify / one_row,

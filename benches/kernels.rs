@@ -38,6 +38,10 @@ struct Args {
     /// Timed calls per (matrix, rows, path).
     #[arg(long, default_value_t = 30)]
     iters: usize,
+    /// Also time the FP8-weight kernel (`dspark_kernels::linear_fp8`, e4m3 with per-row scales)
+    /// on the same shapes, beside the bf16 kernel, in a second table.
+    #[arg(long)]
+    fp8: bool,
     /// Bytes the rotating weight copies must exceed (2× the H200's 50 MB L2 by default).
     #[arg(long, default_value_t = 100 << 20)]
     rotate_bytes: usize,
@@ -82,6 +86,81 @@ fn time_calls(x: &Tensor<2>, weights: &[Tensor<2>], iters: usize, device: &Devic
     }
     sync(device);
     start.elapsed().as_secs_f64() / iters as f64
+}
+
+/// Random e4m3 bytes (every finite code; NaN codes replaced by zero) and per-row scales.
+fn random_fp8(out: usize, inp: usize, seed: u64, device: &Device) -> dspark_kernels::Fp8Matrix {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut bytes = Vec::with_capacity(out * inp);
+    while bytes.len() < out * inp {
+        for b in next().to_le_bytes() {
+            bytes.push(if b & 0x7F == 0x7F { 0 } else { b });
+        }
+    }
+    bytes.truncate(out * inp);
+    // Scales near 0.02 / 448 · 4: values of the size of the bf16 benchmark's weights.
+    let scales: Vec<f32> = (0..out).map(|r| 1.5e-4 * (1.0 + (r % 7) as f32 / 7.0)).collect();
+    dspark_kernels::Fp8Matrix::upload(
+        &bytes,
+        &scales,
+        [out, inp],
+        dspark_kernels::fp8::ScaleGrid::PerRow,
+        device,
+    )
+    .expect("benchmark shapes are supported")
+}
+
+/// Seconds per call of `dspark_kernels::linear_fp8` over rotating weights.
+fn time_fp8(x: &Tensor<2>, weights: &[dspark_kernels::Fp8Matrix], iters: usize, device: &Device) -> f64 {
+    for w in weights.iter().take(2) {
+        let _ = dspark_kernels::linear_fp8(x.clone(), w);
+    }
+    sync(device);
+    let start = Instant::now();
+    for i in 0..iters {
+        let _ = dspark_kernels::linear_fp8(x.clone(), &weights[i % weights.len()]);
+    }
+    sync(device);
+    start.elapsed().as_secs_f64() / iters as f64
+}
+
+/// The FP8 table: the FP8 kernel beside the bf16 kernel on the same shapes.
+fn fp8_table(args: &Args, device: &Device) {
+    println!("\n# Skinny GEMM with FP8 (e4m3, per-row scales) weights, bf16 activations\n");
+    println!(
+        "| matrix | in | out | FP8 MB | rows | bf16 kernel µs | FP8 kernel µs | bf16 TB/s | FP8 TB/s | FP8 vs bf16 | max rel diff vs plain burn |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for (name, inp, out) in matrices(&args.shape) {
+        let bytes = inp * out;
+        let copies = args.rotate_bytes.div_ceil(bytes).clamp(1, 16);
+        let fp8: Vec<_> = (0..copies).map(|i| random_fp8(out, inp, i as u64 + 1, device)).collect();
+        let bf16_copies = args.rotate_bytes.div_ceil(2 * bytes).clamp(1, 16);
+        let dense: Vec<Tensor<2>> = (0..bf16_copies).map(|_| random(out, inp, 0.02, device)).collect();
+        for &rows in &args.rows {
+            let x = random(rows, inp, 1.0, device);
+            let bf16 = time_calls(&x, &dense, args.iters, device);
+            let kernel = time_fp8(&x, &fp8, args.iters, device);
+            let got = dspark_kernels::linear_fp8(x.clone(), &fp8[0]);
+            let want = dspark_kernels::reference::linear_fp8(x, &fp8[0]);
+            let diff = max_rel_diff(got, want);
+            println!(
+                "| {name} | {inp} | {out} | {:.1} | {rows} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}× | {diff:.1e} |",
+                bytes as f64 / 1e6,
+                bf16 * 1e6,
+                kernel * 1e6,
+                2.0 * bytes as f64 / bf16 / 1e12,
+                bytes as f64 / kernel / 1e12,
+                bf16 / kernel,
+            );
+        }
+    }
 }
 
 /// Largest |a − b| over the largest |b|.
@@ -149,5 +228,8 @@ fn main() {
                 plain / kernel,
             );
         }
+    }
+    if args.fp8 {
+        fp8_table(&args, &device);
     }
 }

@@ -103,6 +103,14 @@ pub struct Args {
     /// Seed of the random weights (random shapes).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Draft projections in FP8 (e4m3, per-channel scales, quantised on the host at load; kept
+    /// as FP8 where the CUDA kernels run).
+    #[arg(long)]
+    pub draft_fp8: bool,
+    /// With `--draft-fp8`: also an FP8 copy of the target's LM head for the draft's base logits
+    /// (its bytes count toward the speculative engine's memory).
+    #[arg(long, requires = "draft_fp8")]
+    pub draft_fp8_head: bool,
     /// Markdown report.
     #[arg(long)]
     pub out_md: Option<PathBuf>,
@@ -391,11 +399,27 @@ pub fn build_engine(
     if !speculative {
         return Ok(Engine::new(target, &config)?);
     }
-    let draft = if args.random() {
-        DSparkDraft::random(plan.draft.clone(), TargetBinding::of(&target), &cache)?
-    } else {
-        DSparkDraft::load(need(&args.draft, "--draft")?, &target, options, &cache)?
+    // FP8 drafts are quantised on the host (from the checkpoint, or drawn there): no bf16 copy
+    // of the draft reaches the device, as when an FP8 checkpoint is loaded.
+    let quant = args.draft_fp8.then_some(dspark::model::fp8::DraftQuant::Fp8PerChannel);
+    let bound = || TargetBinding::of(&target);
+    let mut draft = match (args.random(), quant) {
+        (true, None) => DSparkDraft::random(plan.draft.clone(), bound(), &cache)?,
+        (true, Some(q)) => DSparkDraft::random_quantized(plan.draft.clone(), bound(), &cache, q, args.seed)?,
+        (false, None) => DSparkDraft::load(need(&args.draft, "--draft")?, &target, options, &cache)?,
+        (false, Some(q)) => {
+            DSparkDraft::load_quantized(need(&args.draft, "--draft")?, &target, options, &cache, q)?
+        }
     };
+    if quant.is_some() {
+        let head = if args.draft_fp8_head { draft.quantize_lm_head()? } else { 0 };
+        eprintln!(
+            "draft in FP8: {} projections kept as FP8, {:.0} MiB of draft weights with a {:.0} MiB FP8 LM head",
+            draft.fp8_on_device(),
+            draft.weight_bytes() as f64 / (1 << 20) as f64,
+            head as f64 / (1 << 20) as f64
+        );
+    }
     Ok(Engine::with_draft(target, Box::new(draft), &config)?)
 }
 
