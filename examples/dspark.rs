@@ -108,6 +108,13 @@ struct GenerateArgs {
     /// DSpark draft folder: speculative decoding (output distribution unchanged).
     #[arg(long)]
     draft: Option<PathBuf>,
+    /// Quantise the draft's projections to FP8 (e4m3, per-row scales) at load; on CUDA in bf16
+    /// they stay FP8 on the device. Output distribution unchanged.
+    #[arg(long, requires = "draft")]
+    draft_fp8: bool,
+    /// Also an FP8 copy of the LM head for the draft's base logits.
+    #[arg(long, requires = "draft_fp8")]
+    draft_fp8_head: bool,
     /// Verify width in rows (anchor + drafts), 1..=γ+1; default: all γ drafts.
     #[arg(long, requires = "draft", conflicts_with = "confidence_threshold")]
     verify_width: Option<usize>,
@@ -163,9 +170,16 @@ fn load_engine(model: &ModelArgs, quiet: bool) -> dspark::Result<Engine> {
     load_speculative(model, None, VerifyPolicy::Full, None, quiet)
 }
 
+/// A draft to load: its folder and whether to run it in FP8 (with an FP8 LM-head copy).
+struct DraftSpec<'a> {
+    dir: &'a Path,
+    fp8: bool,
+    fp8_head: bool,
+}
+
 fn load_speculative(
     model: &ModelArgs,
-    draft: Option<&Path>,
+    draft: Option<DraftSpec<'_>>,
     verify: VerifyPolicy,
     cost_table: Option<&Path>,
     quiet: bool,
@@ -196,9 +210,19 @@ fn load_speculative(
     };
     let engine = match draft {
         None => Engine::load(&model.target, options, &config),
-        Some(dir) => Qwen3::load(&model.target, options).and_then(|target| {
-            bar.set_message(dir.display().to_string());
-            let draft = DSparkDraft::load(dir, &target, options, &DraftCacheConfig::default())?;
+        Some(spec) => Qwen3::load(&model.target, options).and_then(|target| {
+            bar.set_message(spec.dir.display().to_string());
+            let cache = DraftCacheConfig::default();
+            let mut draft = if spec.fp8 {
+                let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
+                DSparkDraft::load_quantized(spec.dir, &target, options, &cache, fp8)?
+            } else {
+                DSparkDraft::load(spec.dir, &target, options, &cache)?
+            };
+            if spec.fp8_head {
+                bar.set_message("FP8 copy of the LM head");
+                draft.quantize_lm_head()?;
+            }
             Engine::with_draft(target, Box::new(draft), &config)
         }),
     };
@@ -240,8 +264,12 @@ fn generate(args: GenerateArgs) -> dspark::Result<()> {
         (None, None, Some(_)) => VerifyPolicy::Throughput,
         (None, None, None) => VerifyPolicy::Full,
     };
-    let mut engine =
-        load_speculative(&args.model, args.draft.as_deref(), verify, args.cost_table.as_deref(), args.json)?;
+    let draft = args.draft.as_deref().map(|dir| DraftSpec {
+        dir,
+        fp8: args.draft_fp8,
+        fp8_head: args.draft_fp8_head,
+    });
+    let mut engine = load_speculative(&args.model, draft, verify, args.cost_table.as_deref(), args.json)?;
     let mut stop = args.stop_token_ids.clone();
     if !args.ignore_eos {
         stop.extend(engine.target().config().eos_ids());

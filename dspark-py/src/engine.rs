@@ -171,7 +171,7 @@ impl Engine {
     #[pyo3(signature = (
         target, draft=None, *, device="cpu", dtype="f32", kv_budget_bytes=None, page_size=None,
         verify_width=None, confidence_threshold=None, draft_kv_budget_bytes=None, draft_page_size=None,
-        tokenizer=None, progress=None,
+        draft_fp8=false, draft_fp8_head=false, tokenizer=None, progress=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -186,10 +186,18 @@ impl Engine {
         confidence_threshold: Option<f32>,
         draft_kv_budget_bytes: Option<usize>,
         draft_page_size: Option<usize>,
+        draft_fp8: bool,
+        draft_fp8_head: bool,
         tokenizer: Option<PathBuf>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let invalid = |m: &str| new_err(py, Kind::InvalidInput, m, &[]);
+        if (draft_fp8 || draft_fp8_head) && draft.is_none() {
+            return Err(invalid("draft_fp8 and draft_fp8_head need a draft"));
+        }
+        if draft_fp8_head && !draft_fp8 {
+            return Err(invalid("draft_fp8_head needs draft_fp8"));
+        }
         let device: DeviceKind = device.parse().map_err(|e| Failure::from(e).into_py(py))?;
         let dtype: ComputeDtype = dtype.parse().map_err(|e| Failure::from(e).into_py(py))?;
         let verify = match (verify_width, confidence_threshold) {
@@ -234,7 +242,15 @@ impl Engine {
             let engine = match &draft {
                 None => dspark::Engine::new(model, &config)?,
                 Some(dir) => {
-                    let d = DSparkDraft::load(dir, &model, options, &draft_cache)?;
+                    let mut d = if draft_fp8 {
+                        let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
+                        DSparkDraft::load_quantized(dir, &model, options, &draft_cache, fp8)?
+                    } else {
+                        DSparkDraft::load(dir, &model, options, &draft_cache)?
+                    };
+                    if draft_fp8_head {
+                        d.quantize_lm_head()?;
+                    }
                     dspark::Engine::with_draft(model, Box::new(d), &config)?
                 }
             };

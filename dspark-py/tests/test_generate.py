@@ -240,3 +240,23 @@ def test_concurrent_calls_on_one_engine(spec_engine, golden_cases):
     for t in threads:
         t.join()
     assert [results[i] for i in range(len(prompts))] == expected
+
+
+def test_fp8_draft_keeps_greedy_output(target_engine, golden_cases):
+    prompts = [c["input_ids"] for c in cases(golden_cases, "target_greedy")]
+    params = dspark.SamplingParams(40)
+    plain = target_engine.generate(prompts, params)
+    for head in (False, True):
+        fp8 = dspark.Engine(TARGET, draft=DRAFT, draft_fp8=True, draft_fp8_head=head)
+        spec = fp8.generate(prompts, params)
+        assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+        assert sum(g.stats.drafted for g in spec) > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"draft_fp8": True}, {"draft_fp8_head": True}, {"draft": DRAFT, "draft_fp8_head": True}],
+)
+def test_fp8_options_need_a_draft_and_each_other(kwargs):
+    with pytest.raises(dspark.InvalidInputError, match="draft_fp8"):
+        dspark.Engine(TARGET, **kwargs)

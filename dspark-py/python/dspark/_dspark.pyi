@@ -313,6 +313,12 @@ class Engine:
         draft_kv_budget_bytes: bytes for the draft's context K/V (default: the Rust
             ``DraftCacheConfig`` default).
         draft_page_size: rows per page of the draft's cache (default: the Rust default).
+        draft_fp8: quantise the draft's projections to FP8 (e4m3, one scale per output row) at
+            load; projections the checkpoint stores in FP8 are used as stored. On CUDA in bf16
+            they stay FP8 on the device (half the bytes per round). Outputs keep the target's
+            distribution; acceptance may drop a little. Needs ``draft``.
+        draft_fp8_head: also give the draft an FP8 copy of the LM head for its base logits (the
+            target's logits stay exact). Needs ``draft_fp8``.
         tokenizer: folder with ``tokenizer.json`` (and its configs); default: ``target``, where
             a missing ``tokenizer.json`` leaves the engine without a tokenizer (token ids only).
         progress: called as ``progress(bytes_loaded, bytes_total)`` while weights load.
@@ -320,8 +326,8 @@ class Engine:
     Raises:
         UnsupportedError: an unknown device or dtype, or a device this build lacks.
         IoError, CheckpointError: a folder or file is missing or malformed.
-        InvalidInputError: the verify options do not fit the draft, or the KV budget holds no
-            page.
+        InvalidInputError: the verify or FP8 options do not fit the draft, or the KV budget
+            holds no page.
         TextError: the tokenizer files are malformed.
     """
 
@@ -338,6 +344,8 @@ class Engine:
         confidence_threshold: Optional[float] = None,
         draft_kv_budget_bytes: Optional[int] = None,
         draft_page_size: Optional[int] = None,
+        draft_fp8: bool = False,
+        draft_fp8_head: bool = False,
         tokenizer: Optional[StrPath] = None,
         progress: Optional[Callable[[int, int], None]] = None,
     ) -> None: ...
