@@ -66,6 +66,10 @@ typedef struct DsparkEngineParams {
   size_t verify_width;
   // Verify the drafts before the first whose confidence is below this; negative disables.
   float confidence_threshold;
+  // The draft's weights: 0 as stored; 1 its projections quantised to FP8 (e4m3, per-row
+  // scales) at load, kept as FP8 on CUDA in bf16; 2 also an FP8 copy of the LM head for its
+  // base logits. Outputs keep the target's distribution either way.
+  uint32_t draft_fp8;
 } DsparkEngineParams;
 
 // Per-request sampling settings. Start from [`dspark_sampling_default_params`].
@@ -117,6 +121,10 @@ typedef struct DsparkDraftParams {
   const char *dtype;
   // Byte budget of the draft's context K/V, in MiB, shared by all its sequences.
   size_t kv_budget_mib;
+  // The draft's weights: 0 as stored; 1 its projections quantised to FP8 (e4m3, per-row
+  // scales) at load, kept as FP8 on CUDA in bf16; 2 also an FP8 copy of the target's LM head
+  // for the draft's base logits.
+  uint32_t fp8;
 } DsparkDraftParams;
 
 // The target weights a draft borrows (a DSpark draft has no embedding or LM head of its own).

@@ -48,6 +48,10 @@ pub struct DsparkDraftParams {
     pub dtype: *const c_char,
     /// Byte budget of the draft's context K/V, in MiB, shared by all its sequences.
     pub kv_budget_mib: usize,
+    /// The draft's weights: 0 as stored; 1 its projections quantised to FP8 (e4m3, per-row
+    /// scales) at load, kept as FP8 on CUDA in bf16; 2 also an FP8 copy of the target's LM head
+    /// for the draft's base logits.
+    pub fp8: u32,
 }
 
 /// Shape facts of a loaded draft.
@@ -77,7 +81,28 @@ pub struct DsparkDraft {
 /// Default draft settings: CPU, f32, 64 MiB of context K/V.
 #[unsafe(no_mangle)]
 pub extern "C" fn dspark_draft_default_params() -> DsparkDraftParams {
-    DsparkDraftParams { device: std::ptr::null(), dtype: std::ptr::null(), kv_budget_mib: 64 }
+    DsparkDraftParams { device: std::ptr::null(), dtype: std::ptr::null(), kv_budget_mib: 64, fp8: 0 }
+}
+
+/// Load a draft with `load` as an FP8 setting asks (0, 1 or 2; see [`DsparkDraftParams::fp8`]).
+pub(crate) fn load_with_fp8(
+    fp8: u32,
+    load: impl FnOnce(Option<dspark::model::fp8::DraftQuant>) -> dspark::Result<DSparkDraft>,
+) -> dspark::Result<DSparkDraft> {
+    let quant = match fp8 {
+        0 => None,
+        1 | 2 => Some(dspark::model::fp8::DraftQuant::Fp8PerChannel),
+        other => {
+            return Err(dspark::Error::InvalidInput(format!(
+                "draft FP8 setting {other}: expected 0 (as stored), 1 (FP8 projections) or 2 (and an FP8 LM head)"
+            )));
+        }
+    };
+    let mut draft = load(quant)?;
+    if fp8 == 2 {
+        draft.quantize_lm_head()?;
+    }
+    Ok(draft)
 }
 
 fn draft_ref<'a>(draft: *mut DsparkDraft) -> Result<&'a DsparkDraft, (DsparkStatus, String)> {
@@ -147,7 +172,11 @@ pub unsafe extern "C" fn dspark_draft_create(
         .map_err(fail)?;
         let cache =
             DraftCacheConfig { kv_budget_bytes: p.kv_budget_mib << 20, ..DraftCacheConfig::default() };
-        let draft = DSparkDraft::load_bound(Path::new(dir), binding, None, &cache).map_err(fail)?;
+        let draft = load_with_fp8(p.fp8, |quant| match quant {
+            Some(q) => DSparkDraft::load_bound_quantized(Path::new(dir), binding.clone(), None, &cache, q),
+            None => DSparkDraft::load_bound(Path::new(dir), binding.clone(), None, &cache),
+        })
+        .map_err(fail)?;
         let feature_width = draft.layer_ids().len() * w.hidden_size;
         let handle =
             Box::new(DsparkDraft { inner: Mutex::new(draft), feature_width, vocab_size: w.vocab_size });

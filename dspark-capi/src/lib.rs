@@ -173,6 +173,10 @@ pub struct DsparkEngineParams {
     pub verify_width: usize,
     /// Verify the drafts before the first whose confidence is below this; negative disables.
     pub confidence_threshold: f32,
+    /// The draft's weights: 0 as stored; 1 its projections quantised to FP8 (e4m3, per-row
+    /// scales) at load, kept as FP8 on CUDA in bf16; 2 also an FP8 copy of the LM head for its
+    /// base logits. Outputs keep the target's distribution either way.
+    pub draft_fp8: u32,
 }
 
 /// Per-request sampling settings. Start from [`dspark_sampling_default_params`].
@@ -234,6 +238,7 @@ pub extern "C" fn dspark_engine_default_params() -> DsparkEngineParams {
         kv_budget_mib: 1024,
         verify_width: 0,
         confidence_threshold: -1.0,
+        draft_fp8: 0,
     }
 }
 
@@ -292,7 +297,11 @@ pub unsafe extern "C" fn dspark_engine_create(
         let engine = match draft {
             None => Engine::load(Path::new(target), options, &config),
             Some(draft) => Qwen3::load(Path::new(target), options).and_then(|t| {
-                let d = DSparkDraft::load(Path::new(draft), &t, options, &DraftCacheConfig::default())?;
+                let cache = DraftCacheConfig::default();
+                let d = draft::load_with_fp8(p.draft_fp8, |quant| match quant {
+                    Some(q) => DSparkDraft::load_quantized(Path::new(draft), &t, options, &cache, q),
+                    None => DSparkDraft::load(Path::new(draft), &t, options, &cache),
+                })?;
                 Engine::with_draft(t, Box::new(d), &config)
             }),
         }

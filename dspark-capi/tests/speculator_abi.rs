@@ -49,6 +49,17 @@ fn target_weights(dir: &std::path::Path) -> (Vec<u8>, Vec<u8>) {
 }
 
 fn create_draft(layout: &str, embed: &[u8], head: &[u8]) -> *mut DsparkDraft {
+    let (status, draft) = create_draft_with(layout, embed, head, None);
+    assert_eq!(status, DsparkStatus::Ok);
+    draft
+}
+
+fn create_draft_with(
+    layout: &str,
+    embed: &[u8],
+    head: &[u8],
+    params: Option<&DsparkDraftParams>,
+) -> (DsparkStatus, *mut DsparkDraft) {
     let dir = CString::new(golden().join(layout).to_str().unwrap()).unwrap();
     let weights = DsparkTargetWeights {
         embed_tokens: embed.as_ptr().cast(),
@@ -59,10 +70,10 @@ fn create_draft(layout: &str, embed: &[u8], head: &[u8]) -> *mut DsparkDraft {
         num_hidden_layers: 6,
     };
     let mut draft = std::ptr::null_mut();
-    // SAFETY: valid strings, buffers of 512·64 f32 each, valid out-pointer.
-    let status = unsafe { dspark_draft_create(dir.as_ptr(), &weights, std::ptr::null(), &mut draft) };
-    assert_eq!(status, DsparkStatus::Ok);
-    draft
+    let params = params.map_or(std::ptr::null(), |p| p as *const DsparkDraftParams);
+    // SAFETY: valid strings, buffers of 512·64 f32 each, params null or valid, valid out-pointer.
+    let status = unsafe { dspark_draft_create(dir.as_ptr(), &weights, params, &mut draft) };
+    (status, draft)
 }
 
 /// One greedy speculative generation of `max_new` tokens; returns (tokens, accepted per round).
@@ -193,6 +204,35 @@ fn speculator_calls_reproduce_the_reference_greedy_run_for_both_layouts() {
         // SAFETY: handle from dspark_draft_create, freed once.
         unsafe { dspark_draft_free(draft) };
     }
+}
+
+#[test]
+fn an_fp8_draft_behind_the_c_calls_keeps_greedy_output() {
+    let dir = golden().join("tiny-qwen3");
+    let target = Qwen3::load(&dir, LoadOptions::default()).unwrap();
+    let mut plain =
+        Engine::new(Qwen3::load(&dir, LoadOptions::default()).unwrap(), &EngineConfig::default()).unwrap();
+    let (embed, head) = target_weights(&dir);
+    for fp8 in [1, 2] {
+        let params = DsparkDraftParams { fp8, ..dspark_draft_default_params() };
+        let (status, draft) = create_draft_with("tiny-dspark", &embed, &head, Some(&params));
+        assert_eq!(status, DsparkStatus::Ok);
+        for case in cases("spec_greedy") {
+            let prompt = ids(&case["input_ids"]);
+            let (tokens, _) = generate(&target, draft, &prompt, 24);
+            let reference = plain
+                .generate(&[Request { prompt: prompt.clone(), params: SamplingParams::greedy(24) }])
+                .unwrap()
+                .remove(0);
+            assert_eq!(tokens, reference.tokens, "fp8 setting {fp8}, {}", case["id"]);
+        }
+        // SAFETY: handle from dspark_draft_create, freed once.
+        unsafe { dspark_draft_free(draft) };
+    }
+    let params = DsparkDraftParams { fp8: 3, ..dspark_draft_default_params() };
+    let (status, draft) = create_draft_with("tiny-dspark", &embed, &head, Some(&params));
+    assert_eq!(status, DsparkStatus::InvalidArgument);
+    assert!(draft.is_null());
 }
 
 #[test]
