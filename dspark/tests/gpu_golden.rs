@@ -231,6 +231,25 @@ fn qwen3_8b() -> dspark::Qwen3Config {
     .unwrap()
 }
 
+/// A DSpark draft shaped for Qwen3-8B as released: 5 layers, γ = 7, vanilla Markov head of rank
+/// 256, confidence head.
+fn dspark_draft_8b(target: &dspark::Qwen3Config) -> dspark::DSparkConfig {
+    use dspark::model::{MarkovHeadType, default_target_layer_ids};
+    let mut base = target.clone();
+    base.num_hidden_layers = 5;
+    dspark::DSparkConfig {
+        base,
+        block_size: 7,
+        target_layer_ids: Some(default_target_layer_ids(36, 5)),
+        mask_token_id: 151_669,
+        markov_rank: 256,
+        markov_head_type: MarkovHeadType::Vanilla,
+        enable_confidence_head: true,
+        confidence_head_with_markov: true,
+        num_target_layers: Some(36),
+    }
+}
+
 /// Rows of a forward's f32 logits, on the host.
 fn logit_rows(
     target: &Qwen3,
@@ -249,8 +268,7 @@ fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
     // bits whether it is computed in a one-row decode step, inside a verify window, in a long
     // prefill or beside other lanes; so greedy speculative output equals target-only output bit
     // for bit, and `score` sees exactly the log-probabilities of generation.
-    use dspark::model::{MarkovHeadType, default_target_layer_ids};
-    use dspark::{DSparkConfig, KvCache, PagedKvCache, TargetBinding};
+    use dspark::{KvCache, PagedKvCache, TargetBinding};
 
     let config = qwen3_8b();
     // The same weights for both engines: the device generator reseeded before each build.
@@ -282,19 +300,7 @@ fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
     // 2. Speculative with a random DSpark-shaped draft (γ = 7): verify windows of 8 rows for
     //    several lanes at once, bonus tokens from inside the windows.
     let t = target();
-    let mut base = config.clone();
-    base.num_hidden_layers = 5;
-    let draft_config = DSparkConfig {
-        base,
-        block_size: 7,
-        target_layer_ids: Some(default_target_layer_ids(36, 5)),
-        mask_token_id: 151_669,
-        markov_rank: 256,
-        markov_head_type: MarkovHeadType::Vanilla,
-        enable_confidence_head: true,
-        confidence_head_with_markov: true,
-        num_target_layers: Some(36),
-    };
+    let draft_config = dspark_draft_8b(&config);
     let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
     let draft = DSparkDraft::random(draft_config, TargetBinding::of(&t), &cache).unwrap();
     let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
@@ -422,9 +428,8 @@ fn cuda_bf16_fp8_draft_sampled_output_has_the_target_distribution() {
 fn cuda_bf16_qwen3_8b_shapes_fp8_draft_is_lossless() {
     // A DSpark-shaped random draft quantised to FP8 (kept as FP8) with an FP8 LM head, against
     // a Qwen3-8B-shaped random target: greedy speculative output equals target-only output.
+    use dspark::TargetBinding;
     use dspark::model::fp8::DraftQuant;
-    use dspark::model::{MarkovHeadType, default_target_layer_ids};
-    use dspark::{DSparkConfig, TargetBinding};
 
     let config = qwen3_8b();
     let target = || {
@@ -439,19 +444,7 @@ fn cuda_bf16_qwen3_8b_shapes_fp8_draft_is_lossless() {
         .collect();
     let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
     let t = target();
-    let mut base = config.clone();
-    base.num_hidden_layers = 5;
-    let draft_config = DSparkConfig {
-        base,
-        block_size: 7,
-        target_layer_ids: Some(default_target_layer_ids(36, 5)),
-        mask_token_id: 151_669,
-        markov_rank: 256,
-        markov_head_type: MarkovHeadType::Vanilla,
-        enable_confidence_head: true,
-        confidence_head_with_markov: true,
-        num_target_layers: Some(36),
-    };
+    let draft_config = dspark_draft_8b(&config);
     let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
     let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&t), &cache).unwrap();
     let bf16_bytes = draft.weight_bytes();
