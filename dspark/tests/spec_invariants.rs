@@ -298,3 +298,30 @@ fn sampled_speculative_output_has_the_target_distribution_and_a_broken_rule_is_c
     eprintln!("broken rule: chi2 {stat:.1} on {df} df (limit {:.1})", stats::chi_square_limit(df));
     assert!(stat > stats::chi_square_limit(df), "the test failed to catch a broken acceptance rule");
 }
+
+#[test]
+fn sampled_tokens_past_the_first_round_have_the_target_distribution() {
+    // The second-token tests above see only a round's first position. The third generated token
+    // is the block's second draft, a bonus token or a later round's token depending on the
+    // round; its exact marginal (every two-token prefix down to probability 1e-7, 0.9995 of the
+    // mass for the golden pair) against 10 000 speculative samples.
+    let prompt = prompts()[0].clone();
+    let model = target();
+    let mut e = spec_engine(VerifyPolicy::Full);
+    for params in [
+        SamplingParams { temperature: 1.0, ..SamplingParams::default() },
+        SamplingParams { temperature: 0.7, top_k: 20, ..SamplingParams::default() },
+    ] {
+        let (exact, kept) = stats::exact_token_marginal(&model, &prompt, &params, 2, 1e-7);
+        assert!(kept > 0.999, "{params:?}: exact marginal keeps only {kept}");
+        let counts = stats::token_counts(&mut e, &prompt, &params, 10_000, 2);
+        let (stat, df) = stats::chi_square(&counts, &exact);
+        let limit = stats::chi_square_limit(df);
+        eprintln!(
+            "third token {params:?}: chi2 {stat:.1} on {df} df (limit {limit:.1}), mass kept {kept:.5}"
+        );
+        assert!(stat < limit, "third token deviates from the target: chi2 {stat:.1} > {limit:.1} ({df} df)");
+        let s = e.last_stats();
+        assert!(s.accepted > 0 && s.accepted < s.drafted, "the acceptance rule was not exercised: {s:?}");
+    }
+}

@@ -102,3 +102,81 @@ pub fn second_token_counts(
     }
     counts
 }
+
+/// Exact marginal distribution of generated token `index` (0: the first) under `params`, from
+/// the target alone: Σ over every prefix of generated tokens of its probability times the next
+/// token's distribution. Prefixes whose probability falls below `min_weight` are dropped, so the
+/// result may sum to a little less than 1; the second component returns the mass kept.
+pub fn exact_token_marginal(
+    model: &Qwen3,
+    prompt: &[u32],
+    params: &SamplingParams,
+    index: usize,
+    min_weight: f64,
+) -> (Vec<f64>, f64) {
+    let vocab = model.vocab_size();
+    let mut frontier: Vec<(Vec<u32>, f64)> = vec![(prompt.to_vec(), 1.0)];
+    for step in 0..=index {
+        let mut next = Vec::new();
+        let mut marginal = vec![0.0; vocab];
+        for batch in frontier.chunks(128) {
+            let mut cache = PagedKvCache::new(model.kv_layout(16), 256 << 20, model.device()).unwrap();
+            let ids: Vec<SeqId> = batch.iter().map(|_| cache.allocate()).collect();
+            let chunks: Vec<SeqChunk<'_>> = batch
+                .iter()
+                .zip(&ids)
+                .map(|((s, _), &seq)| SeqChunk { seq, tokens: s, logits: LogitRows::Last })
+                .collect();
+            let logits = model.forward(&chunks, &[], &mut cache).unwrap().logits.unwrap();
+            let logits = logits.into_data().try_to_vec::<f32>().unwrap();
+            for (j, (prefix, w)) in batch.iter().enumerate() {
+                let p = target_probs(&logits[j * vocab..(j + 1) * vocab], params);
+                if step == index {
+                    for (m, q) in marginal.iter_mut().zip(&p) {
+                        *m += w * q;
+                    }
+                } else {
+                    for (t, &q) in p.iter().enumerate() {
+                        if w * q >= min_weight {
+                            let mut longer = prefix.clone();
+                            longer.push(t as u32);
+                            next.push((longer, w * q));
+                        }
+                    }
+                }
+            }
+        }
+        if step == index {
+            let kept = marginal.iter().sum();
+            return (marginal, kept);
+        }
+        frontier = next;
+    }
+    unreachable!("the loop returns at step == index")
+}
+
+/// Sample `n` generations (seeds `0..n`, 250 per `generate` call) of `index + 1` tokens and count
+/// generated token `index` per id.
+pub fn token_counts(
+    engine: &mut Engine,
+    prompt: &[u32],
+    params: &SamplingParams,
+    n: u64,
+    index: usize,
+) -> Vec<usize> {
+    let mut counts = vec![0; engine.target().vocab_size()];
+    let seeds: Vec<u64> = (0..n).collect();
+    for batch in seeds.chunks(250) {
+        let requests: Vec<Request> = batch
+            .iter()
+            .map(|&seed| Request {
+                prompt: prompt.to_vec(),
+                params: SamplingParams { seed, max_new_tokens: index + 1, ..params.clone() },
+            })
+            .collect();
+        for g in engine.generate(&requests).unwrap() {
+            counts[g.tokens[index] as usize] += 1;
+        }
+    }
+    counts
+}
