@@ -161,15 +161,16 @@ impl Fp8Matrix {
         }
         let words: Vec<i32> =
             bytes.chunks_exact(4).map(|g| i32::from_le_bytes([g[0], g[2], g[1], g[3]])).collect();
-        let int = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
-        let float = TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
-        Ok(Self {
-            words: Tensor::from_data(TensorData::new(words, [out, inp / 4]), int),
-            scales: Tensor::from_data(TensorData::new(scales.to_vec(), [n_scales]), float),
-            out,
-            inp,
-            grid,
-        })
+        // Weights live as long as the model: allocated as persistent memory (exact-size slices),
+        // not from the pools sized for activations, where one LM-head-sized buffer was measured
+        // to hold twice its bytes on the H200.
+        let data = (TensorData::new(words, [out, inp / 4]), TensorData::new(scales.to_vec(), [n_scales]));
+        let (words, scales) = device.memory_persistent_allocations((data, device.clone()), |((w, s), d)| {
+            let int = TensorCreationOptions::new(d.clone()).with_dtype(DType::I32);
+            let float = TensorCreationOptions::new(d).with_dtype(DType::F32);
+            (Tensor::<2, Int>::from_data(w, int), Tensor::<1>::from_data(s, float))
+        });
+        Ok(Self { words, scales, out, inp, grid })
     }
 
     /// `[out, in]`.
