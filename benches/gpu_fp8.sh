@@ -9,7 +9,7 @@
 #   strip + xz: `tests` needs the gpu_kernels and gpu_golden test binaries
 #   (target/release/deps/gpu_*-*), `benches` bench-kernels, bench-draft and bench-workload
 #   cp ../shared/prompts/*.jsonl out/prompts/   (for `benches`)
-# Usage: benches/gpu_fp8.sh tests|benches
+# Usage: benches/gpu_fp8.sh tests|benches|workloads|busy
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-tests}
@@ -51,5 +51,14 @@ workloads)
         echo "$name exit $?"; grep -E "draft in FP8" "$OUT/$name.log" | head -2
         grep -E "^\| (solo|team|busy) |peak memory|Gate" "$OUT/$name.md"
     done
+    ;;
+busy)
+    # The busy workload alone (KV budget nearly full, 16 lanes) with the FP8 draft, gate without
+    # sampled replies: what fits in the last minutes of a device session.
+    timeout 140 out/bin/bench-workload --device cuda --dtype bf16 --shape qwen3-8b --draft-fp8 \
+        --prompts out/prompts --prompts-per-file 1 --max-new-tokens 32 --workloads busy --busy-lanes 16 \
+        --sample-seeds 0 --gate-texts 1 --gate-text-tokens 32 --out-md "$OUT/workload-8b-fp8-busy.md" \
+        --out-json "$OUT/workload-8b-fp8-busy.json" > "$OUT/workload-8b-fp8-busy.log" 2>&1
+    echo "busy exit $?"; grep -E "^\| busy |peak memory|Gate" "$OUT/workload-8b-fp8-busy.md"
     ;;
 esac
