@@ -79,28 +79,14 @@ pub fn chi_square_limit(df: usize) -> f64 {
 }
 
 /// Sample the second generated token `n` times (seeds `0..n`, 250 requests per `generate`
-/// call) with `engine` and count it per token id (vocabulary of the golden tiny models: 512).
+/// call) with `engine` and count it per token id.
 pub fn second_token_counts(
     engine: &mut Engine,
     prompt: &[u32],
     params: &SamplingParams,
     n: u64,
 ) -> Vec<usize> {
-    let mut counts = vec![0; 512];
-    let seeds: Vec<u64> = (0..n).collect();
-    for batch in seeds.chunks(250) {
-        let requests: Vec<Request> = batch
-            .iter()
-            .map(|&seed| Request {
-                prompt: prompt.to_vec(),
-                params: SamplingParams { seed, max_new_tokens: 2, ..params.clone() },
-            })
-            .collect();
-        for g in engine.generate(&requests).unwrap() {
-            counts[g.tokens[1] as usize] += 1;
-        }
-    }
-    counts
+    token_counts(engine, prompt, params, n, 1)
 }
 
 /// Exact marginal distribution of generated token `index` (0: the first) under `params`, from
