@@ -8,6 +8,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod fp8;
+pub mod graph;
 pub mod reference;
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,6 +38,10 @@ pub fn kernels_enabled() -> bool {
 }
 
 pub use fp8::{Fp8Matrix, linear_fp8};
+pub use graph::{
+    DeviceGraph, GraphError, graph_emulation, graphs_available, set_graph_emulation, set_graphs_enabled,
+    write_floats_into, write_into,
+};
 pub use reference::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
 
 /// `x · Wᵀ` for a weight in its checkpoint layout `[out, in]`.

@@ -650,3 +650,45 @@ fn fp8_gemm_is_batch_invariant() {
         println!("fp8_gemm {grid:?} in={inp} out={out}: rows bit-identical alone, in windows and in batches");
     }
 }
+
+#[test]
+fn graph_input_writes_match_reference() {
+    // The in-place writes that refresh a recorded graph's inputs, and the copy that detaches its
+    // outputs: exact, into the same buffer (a graph recorded before the write sees the values),
+    // leaving the rest of the buffer as it was.
+    let device = cuda();
+    let ints: Vec<i32> = (0..1000).map(|i| i * 7 - 300).collect();
+    let dst = int_tensor(ints.clone(), [1000], &device);
+    let src: Vec<i32> = (0..37).map(|i| 100_000 + i * 13).collect();
+    let written = dspark_kernels::write_into(dst, int_tensor(src.clone(), [37], &device));
+    let got = written.into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
+    let mut want = ints.clone();
+    want[..37].copy_from_slice(&src);
+    assert_eq!(got, want, "integer write");
+
+    // A graph reading `dst` replays with what was written after it was recorded.
+    let dst = int_tensor(vec![0; 64], [64], &device);
+    let (graph, out) = dspark_kernels::DeviceGraph::capture(&device, || {
+        Ok::<_, ()>(dst.clone().float().cast(DType::F32).mul_scalar(2.0))
+    })
+    .unwrap()
+    .unwrap();
+    let dst = dspark_kernels::write_into(dst, int_tensor((0..64).collect(), [64], &device));
+    // SAFETY: `dst` and `out` are alive until the read below.
+    unsafe { graph.replay() }.unwrap();
+    let got = out.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
+    assert_eq!(got, (0..64).map(|i| 2.0 * i as f32).collect::<Vec<_>>(), "replay after a write");
+    drop(dst);
+
+    // Floats, and the detached copy.
+    let dst = random(1, 4096, 1.0, &device).reshape([4096]);
+    let before = host(dst.clone().reshape([1, 4096]));
+    let src = random(1, 1024, 1.0, &device).reshape([1024]);
+    let src_host = host(src.clone().reshape([1, 1024]));
+    let written = dspark_kernels::write_floats_into(dst, src);
+    let copy = dspark_kernels::graph::fresh_copy(written.clone());
+    let mut want = before;
+    want[..1024].copy_from_slice(&src_host);
+    assert_eq!(host(written.reshape([1, 4096])), want, "float write");
+    assert_eq!(host(copy.reshape([1, 4096])), want, "fresh copy");
+}

@@ -4,6 +4,7 @@
 //! `tests/gpu_kernels.rs` (GPU machine only) compare them on fresh random inputs.
 
 pub(crate) mod attention;
+pub(crate) mod copy;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemm_fp8;

@@ -1,0 +1,132 @@
+//! In-place writes of integer inputs, for graphs: the recorded launches read the very buffer
+//! this writes into.
+
+use burn::backend::Dispatch;
+use burn::tensor::{Int, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+
+/// Threads of a copy cube.
+const COPY_THREADS: usize = 256;
+
+/// `dst[i] = src[i]` for `i < n` (32-bit words).
+#[cube(launch_unchecked)]
+fn copy_words_kernel(src: &[u32], dst: &mut [u32], n: u32) {
+    let i = (CUBE_POS_X * COPY_THREADS as u32 + UNIT_POS_X) as usize;
+    if i < n as usize {
+        dst[i] = src[i];
+    }
+}
+
+/// Copy `src` over the front of `dst`'s buffer and return `dst` (same buffer).
+fn launch(dst: CubeTensor, src: CubeTensor) -> CubeTensor {
+    let src = burn_cubecl::kernel::into_contiguous(src);
+    let size = src.dtype.size();
+    let words = src.meta.shape()[0] * size / 4;
+    let client = src.client.clone();
+    // SAFETY: `dst` is contiguous (checked by the caller's `contiguous` below) and holds at least
+    // `src.len()` elements of the same dtype; the kernel writes words `< words` of it and reads
+    // words `< words` of `src`.
+    unsafe {
+        copy_words_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(words.div_ceil(COPY_THREADS) as u32, 1, 1),
+            CubeDim::new_1d(COPY_THREADS as u32),
+            BufferArg::from_raw_parts(src.handle.clone(), words),
+            BufferArg::from_raw_parts(dst.handle.clone(), words),
+            words as u32,
+        );
+    }
+    dst
+}
+
+fn dst_shape(dst: &burn::tensor::Shape) -> burn::tensor::Shape {
+    dst.clone()
+}
+
+/// The backend extension for the in-place write.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait WriteIntoOps: burn::backend::Backend {
+    /// `dst[0 .. src.len()] = src`, in `dst`'s buffer; returns `dst`.
+    #[fusion(dtype = dst, shape = dst_shape(dst))]
+    fn write_into(
+        dst: burn::backend::tensor::IntTensor<Self>,
+        src: burn::backend::tensor::IntTensor<Self>,
+    ) -> burn::backend::tensor::IntTensor<Self>;
+}
+
+impl WriteIntoOps for CubeBackend {
+    fn write_into(dst: CubeTensor, src: CubeTensor) -> CubeTensor {
+        launch(dst, src)
+    }
+}
+
+/// The backend extension for the in-place write of floats.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait WriteFloatsIntoOps: burn::backend::Backend {
+    /// `dst[0 .. src.len()] = src`, in `dst`'s buffer; returns `dst`.
+    #[fusion(dtype = dst, shape = dst_shape(dst))]
+    fn write_floats_into(
+        dst: burn::backend::tensor::FloatTensor<Self>,
+        src: burn::backend::tensor::FloatTensor<Self>,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+}
+
+impl WriteFloatsIntoOps for CubeBackend {
+    fn write_floats_into(dst: CubeTensor, src: CubeTensor) -> CubeTensor {
+        launch(dst, src)
+    }
+}
+
+/// See [`crate::graph::write_floats_into`]; sizes a multiple of four bytes.
+pub(crate) fn write_floats_into(dst: Tensor<1>, src: Tensor<1>) -> Tensor<1> {
+    Tensor::from_dispatch(<Dispatch as WriteFloatsIntoOps>::write_floats_into(
+        dst.into_dispatch(),
+        src.into_dispatch(),
+    ))
+}
+
+/// The backend extension for a copy into a new buffer.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait FreshCopyOps: burn::backend::Backend {
+    /// A copy of `x` in a buffer of its own.
+    #[fusion(dtype = x, shape = dst_shape(x))]
+    fn fresh_copy(x: burn::backend::tensor::FloatTensor<Self>) -> burn::backend::tensor::FloatTensor<Self>;
+}
+
+impl FreshCopyOps for CubeBackend {
+    fn fresh_copy(x: CubeTensor) -> CubeTensor {
+        let x = burn_cubecl::kernel::into_contiguous(x);
+        let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+            x.client.clone(),
+            x.device.clone(),
+            x.meta.shape().clone(),
+            x.dtype,
+        );
+        let words = x.meta.shape().num_elements() * x.dtype.size() / 4;
+        // SAFETY: `out` is a new contiguous buffer of `x`'s size; the kernel copies `words`
+        // 32-bit words (the caller checked the size is a multiple of four bytes).
+        unsafe {
+            copy_words_kernel::launch_unchecked(
+                &x.client,
+                CubeCount::Static(words.div_ceil(COPY_THREADS) as u32, 1, 1),
+                CubeDim::new_1d(COPY_THREADS as u32),
+                BufferArg::from_raw_parts(x.handle.clone(), words),
+                BufferArg::from_raw_parts(out.handle.clone(), words),
+                words as u32,
+            );
+        }
+        out
+    }
+}
+
+/// See [`crate::graph::fresh_copy`]; `x`'s size must be a multiple of four bytes.
+pub(crate) fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as FreshCopyOps>::fresh_copy(x.into_dispatch()))
+}
+
+/// See [`crate::graph::write_into`]; `dst` must be a whole contiguous buffer (as allocated).
+pub(crate) fn write_into(dst: Tensor<1, Int>, src: Tensor<1, Int>) -> Tensor<1, Int> {
+    Tensor::from_dispatch(<Dispatch as WriteIntoOps>::write_into(dst.into_dispatch(), src.into_dispatch()))
+}

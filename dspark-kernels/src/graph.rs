@@ -1,0 +1,243 @@
+//! Captured device work: record a forward's launches once as a CUDA graph, replay them as one
+//! dispatch.
+//!
+//! A decode step of Qwen3-8B is a few hundred launches; issued one by one through burn each costs
+//! about 25–30 µs of host time, so the host, not the 15 GB of weights, sets the step time. A
+//! graph replays all of them for the cost of one launch.
+//!
+//! # What a captured body may do
+//! A graph replays the recorded kernels against the device buffers they used when recorded, so
+//! a body that is captured must
+//! - read every per-step value (token ids, positions, page tables, lengths) from device buffers
+//!   that outlive the graph, refreshed in place with [`write_into`] before each replay;
+//! - never upload host data (an upload inside the window would replay the recorded bytes) and
+//!   never read back (a host sync inside the window aborts it);
+//! - keep its launch shapes fixed: one graph per shape.
+//!
+//! Allocations the body makes are served, during the recording, from memory the warm-up runs
+//! left; the pages the recorded launches touched are then kept for the graph's life, so nothing
+//! else is ever placed where a replay writes. A recording that would allocate is refused,
+//! and the caller falls back to running the body op by op.
+//!
+//! On backends without graphs (the CPU) [`DeviceGraph::capture`] answers
+//! [`GraphError::Unsupported`] and callers run the body directly.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::tensor::{Device, Int, Tensor};
+
+static GRAPHS: AtomicBool = AtomicBool::new(true);
+static EMULATE: AtomicBool = AtomicBool::new(false);
+
+/// Turn graph capture on or off for the whole process (on by default). Off, every forward runs
+/// op by op: for A/B benchmarks and checks in one process.
+pub fn set_graphs_enabled(enabled: bool) {
+    GRAPHS.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether graph capture is on (see [`set_graphs_enabled`]).
+pub fn graphs_enabled() -> bool {
+    GRAPHS.load(Ordering::Relaxed)
+}
+
+/// Take the recorded path where no graph can be recorded (the CPU): callers that record their
+/// forwards then run the body from their device inputs on every call, as a replay would read
+/// them. Tests the input plumbing of recorded forwards without a GPU. Off by default;
+/// process-wide.
+pub fn set_graph_emulation(enabled: bool) {
+    EMULATE.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`set_graph_emulation`] is on.
+pub fn graph_emulation() -> bool {
+    EMULATE.load(Ordering::Relaxed)
+}
+
+/// Whether forwards on `device` can be captured: a CUDA build, a CUDA device, kernels and graphs
+/// on.
+pub fn graphs_available(device: &Device) -> bool {
+    graphs_enabled() && crate::kernels_available(device)
+}
+
+/// Why a capture or a replay did not happen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GraphError {
+    /// The backend records no graphs (the CPU); run the body directly.
+    Unsupported,
+    /// The backend refused: the recording allocated, a launch inside it failed, or the driver
+    /// would not instantiate or launch the graph. The message is the backend's.
+    Backend(String),
+}
+
+impl std::fmt::Display for GraphError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Unsupported => f.write_str("this backend does not record device graphs"),
+            Self::Backend(msg) => write!(f, "device graph: {msg}"),
+        }
+    }
+}
+
+impl std::error::Error for GraphError {}
+
+/// Warm-up runs before the recorded one. The first run autotunes and builds fused kernels, which
+/// allocate differently from the steady state; from the second on the body takes the path the
+/// recording will take, and its allocations are in the pools the recording draws from.
+#[cfg(feature = "cuda")]
+const WARMUPS: usize = 3;
+
+/// A recorded body, replayed as one dispatch.
+pub struct DeviceGraph {
+    device: Device,
+    #[cfg(feature = "cuda")]
+    graph: burn::backend::BackendGraph<burn::backend::Dispatch>,
+}
+
+impl std::fmt::Debug for DeviceGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceGraph").field("device", &self.device).finish_non_exhaustive()
+    }
+}
+
+impl DeviceGraph {
+    /// Run `body` [`WARMUPS`] times, then once under capture; returns the graph and the outputs
+    /// of the recorded run. The recorded run does not execute: its outputs hold what the last
+    /// warm-up wrote until the graph is [replayed](Self::replay). Each run must compute the
+    /// same thing from the same device inputs (a warm-up that writes K/V rows writes the rows
+    /// the step writes anyway).
+    ///
+    /// # Errors
+    /// [`GraphError::Unsupported`] off CUDA (before `body` runs); [`GraphError::Backend`] when
+    /// the recording is refused (after `body` ran; its writes are the step's own).
+    pub fn capture<T, E>(
+        device: &Device,
+        mut body: impl FnMut() -> Result<T, E>,
+    ) -> Result<Result<(Self, T), E>, GraphError> {
+        if !graphs_available(device) {
+            return Err(GraphError::Unsupported);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            use burn::backend::{Backend, Dispatch};
+            let dispatch = device.as_dispatch();
+            let backend = |e: &dyn std::fmt::Display| GraphError::Backend(e.to_string());
+            Dispatch::graph_prepare(dispatch).map_err(|e| backend(&e))?;
+            for _ in 0..WARMUPS {
+                // Held across the sync: a lazy backend skips work whose result is dropped, and
+                // the skipped work's buffers would then first be allocated inside the window.
+                let out = match body() {
+                    Ok(out) => out,
+                    Err(e) => {
+                        abandon(dispatch);
+                        return Ok(Err(e));
+                    }
+                };
+                let synced = Dispatch::sync(dispatch);
+                drop(out);
+                if let Err(e) = synced {
+                    abandon(dispatch);
+                    return Err(backend(&e));
+                }
+            }
+            Dispatch::graph_start_capture(dispatch).map_err(|e| {
+                abandon(dispatch);
+                backend(&e)
+            })?;
+            let out = body();
+            // Closing the window whatever the body answered: a stream left recording would
+            // record everything after it.
+            let graph = Dispatch::graph_stop_capture(dispatch).map_err(|e| backend(&e));
+            let out = match out {
+                Ok(out) => out,
+                Err(e) => return Ok(Err(e)),
+            };
+            Ok(Ok((Self { device: device.clone(), graph: graph? }, out)))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = &mut body;
+            Err(GraphError::Unsupported)
+        }
+    }
+
+    /// Enqueue the recorded launches after everything queued on the device so far.
+    ///
+    /// # Safety
+    /// Every buffer the recorded body read or wrote must still be alive and not used by another
+    /// stream; the device inputs must have been refreshed (with [`write_into`]) on this device's
+    /// stream. Callers keep the inputs, the outputs, the weights and the caches the body touched
+    /// for as long as the graph lives.
+    ///
+    /// # Errors
+    /// [`GraphError::Backend`] when the driver refuses the launch.
+    pub unsafe fn replay(&self) -> Result<(), GraphError> {
+        #[cfg(feature = "cuda")]
+        {
+            use burn::backend::{Backend, Dispatch};
+            // SAFETY: forwarded from this function's contract.
+            unsafe { Dispatch::graph_replay(self.device.as_dispatch(), &self.graph) }
+                .map_err(|e| GraphError::Backend(e.to_string()))
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(GraphError::Unsupported)
+    }
+}
+
+/// Close a prepared capture that never opened, so the stream returns to normal.
+#[cfg(feature = "cuda")]
+fn abandon(dispatch: &burn::backend::DispatchDevice) {
+    use burn::backend::{Backend, Dispatch};
+    // A stop with no open window tears down the preparation; its error is the expected "no
+    // window", so there is nothing to report.
+    let _ = Dispatch::graph_stop_capture(dispatch);
+}
+
+/// `dst[0 .. n] = src` for an integer `src` of `n` elements, written into `dst`'s own buffer on
+/// CUDA (so a graph that reads `dst` sees the new values) and returned. Elsewhere the result is
+/// a new tensor with the same contents, which is what the caller keeps either way.
+///
+/// # Panics
+/// Never; a `src` longer than `dst` or of another dtype is a caller bug reported by
+/// `debug_assert`, and on release builds only the first `dst.len()` elements are written.
+pub fn write_into(dst: Tensor<1, Int>, src: Tensor<1, Int>) -> Tensor<1, Int> {
+    let [n, cap] = [src.dims()[0], dst.dims()[0]];
+    debug_assert!(n <= cap && src.dtype() == dst.dtype(), "write_into: {n} into {cap}");
+    let n = n.min(cap);
+    if n == 0 {
+        return dst;
+    }
+    #[cfg(feature = "cuda")]
+    if crate::kernels_available(&dst.device()) && src.dtype() == dst.dtype() {
+        return crate::cuda::copy::write_into(dst, src.narrow(0, 0, n));
+    }
+    dst.slice_assign(0..n, src.narrow(0, 0, n))
+}
+
+/// [`write_into`] for float tensors of one dtype (on CUDA their size must be a multiple of four
+/// bytes, else the result is a new tensor as elsewhere).
+pub fn write_floats_into(dst: Tensor<1>, src: Tensor<1>) -> Tensor<1> {
+    let [n, cap] = [src.dims()[0], dst.dims()[0]];
+    debug_assert!(n <= cap && src.dtype() == dst.dtype(), "write_floats_into: {n} into {cap}");
+    let n = n.min(cap);
+    if n == 0 {
+        return dst;
+    }
+    #[cfg(feature = "cuda")]
+    if crate::kernels_available(&dst.device())
+        && src.dtype() == dst.dtype()
+        && (n * src.dtype().size()) % 4 == 0
+    {
+        return crate::cuda::copy::write_floats_into(dst, src.narrow(0, 0, n));
+    }
+    dst.slice_assign(0..n, src.narrow(0, 0, n))
+}
+
+/// A copy of `x` in a buffer of its own: a graph's outputs are overwritten by its next replay,
+/// so what a forward hands out is copied first. Off CUDA (where nothing is replayed) `x` itself.
+pub fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels_available(&x.device()) && (x.shape().num_elements() * x.dtype().size()) % 4 == 0 {
+        return crate::cuda::copy::fresh_copy(x);
+    }
+    x
+}
