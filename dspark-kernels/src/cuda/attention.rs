@@ -1,19 +1,25 @@
 //! Paged decode attention: every query row of every lane in one launch, keys read through a
 //! physical-row table, lengths read from device memory (no kernel depends on a context length,
-//! so nothing recompiles as contexts grow).
+//! so nothing recompiles as contexts grow, and a recorded graph serves every length).
 //!
-//! # How one cube works
-//! A cube owns one query row and one K/V head; its `groups` warps are the query heads that share
-//! that K/V head (native GQA: the K/V rows are fetched once per cube and served from L1 to the
-//! other warps). In a warp, lane `(kg, dq)` (`kg = lane / 4`, `dq = lane % 4`) holds a quarter
-//! of the head's dimensions and walks keys `kg, kg + 8, …` with an online softmax; the four lanes
-//! of a key group add their partial dot products with two butterfly shuffles, and the eight key
-//! groups merge their (max, sum, accumulator) states with three more. Softmax and accumulation
-//! are f32.
+//! # Flash decoding
+//! A row's keys are cut into at most [`MAX_SPLITS`] splits of a length fixed by the row's key
+//! count ([`split_chunk`]); one launch computes every split's partial softmax state, a second
+//! merges them in split order. One decode row over eight K/V heads thus fills the GPU instead
+//! of eight SMs.
+//!
+//! # How one split works
+//! A cube owns one query row, one K/V head and one split; its `groups` warps are the query
+//! heads that share that K/V head (native GQA: the K/V rows are fetched once per cube and served
+//! from L1 to the other warps). In a warp, lane `(kg, dq)` (`kg = lane / 4`, `dq = lane % 4`)
+//! holds a quarter of the head's dimensions and walks the split's keys `kg, kg + 8, …` with an
+//! online softmax; the four lanes of a key group add their partial dot products with two
+//! butterfly shuffles, and the eight key groups merge their (max, sum, accumulator) states with
+//! three more. Softmax and accumulation are f32.
 //!
 //! # Batch invariance
-//! A row's reduction order depends only on its number of visible keys: the same whether the row
-//! is decoded alone, verified inside a window, or batched with other lanes.
+//! A row's splits and its reduction order depend only on its number of visible keys: the same
+//! whether the row is decoded alone, verified inside a window, or batched with other lanes.
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Int, Tensor};
@@ -34,20 +40,42 @@ fn unpack(word: u32) -> (f32, f32) {
     (f32::reinterpret(word << 16u32), f32::reinterpret(word & 0xFFFF_0000u32))
 }
 
-/// `out[r, h, :] = softmax(scale · q[r, h] · K[rows]ᵀ) · V[rows]` over the rows
-/// `keys[meta[2r] .. meta[2r] + meta[2r + 1]]` of the paged pool.
+/// Key splits a row's keys are divided into, at most (flash decoding): with one row and eight
+/// K/V heads, 32 splits give 256 cubes for the 132 SMs of an H200.
+const MAX_SPLITS: usize = 32;
+/// Fewest keys of a split (a multiple of [`KEY_GROUPS`]).
+const MIN_CHUNK: usize = 32;
+
+/// Keys per split of a row with `count` visible keys: a function of `count` alone, so a row's
+/// reduction order never depends on the rows beside it.
+#[cube]
+fn split_chunk(count: usize) -> usize {
+    let per = (count + MAX_SPLITS - 1) / MAX_SPLITS;
+    let mut chunk = (per + MIN_CHUNK - 1) / MIN_CHUNK * MIN_CHUNK;
+    if chunk == 0 {
+        chunk = MIN_CHUNK;
+    }
+    chunk
+}
+
+/// One split of `softmax(scale · q[r, h] · K[rows]ᵀ) · V[rows]` over the rows
+/// `keys[meta[2r] .. meta[2r] + meta[2r + 1]]` of the paged pool: split `s` takes keys
+/// `s·chunk .. (s + 1)·chunk` and writes its unnormalised accumulator to `part` and its running
+/// max and sum to `ml`, for [`combine_kernel`].
 ///
-/// `q`/`out`: `[rows, heads, head_dim]`, `k`/`v`: `[pool_rows, kv_heads, head_dim]`, bf16,
-/// contiguous; `keys`: physical pool rows (i32); `meta`: `[rows, 2]` (i32).
+/// `q`: `[rows, heads, head_dim]`, `k`/`v`: `[pool_rows, kv_heads, head_dim]`, bf16,
+/// contiguous; `keys`: physical pool rows (i32); `meta`: `[rows, 2]` (i32); `part`:
+/// `[rows, heads, MAX_SPLITS, head_dim]` f32; `ml`: `[rows, heads, MAX_SPLITS, 2]` f32.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn paged_attention_kernel(
+fn paged_attention_split_kernel(
     q: &[Words],
     k: &[Words],
     v: &[Words],
     keys: &[i32],
     meta: &[i32],
-    out: &mut [bf16],
+    part: &mut [f32],
+    ml: &mut [f32],
     kv_heads: u32,
     scale: f32,
     #[comptime] head_dim: usize,
@@ -55,6 +83,7 @@ fn paged_attention_kernel(
 ) {
     let row = CUBE_POS_X as usize;
     let kvh = CUBE_POS_Y as usize;
+    let split = CUBE_POS_Z as usize;
     let lane = UNIT_POS_X;
     let head = kvh * groups + UNIT_POS_Y as usize;
     let kv_heads = kv_heads as usize;
@@ -64,98 +93,138 @@ fn paged_attention_kernel(
     // Words of one lane's quarter of a head.
     let words = head_dim / 32;
 
-    // 1. This lane's quarter of q, scaled, in f32.
-    let mut qs = Array::<f32>::new(head_dim / 4);
-    let q_base = (row * heads + head) * (head_dim / 8) + dq * words;
-    #[unroll]
-    for w in 0..words {
-        let word = q[q_base + w];
-        #[unroll]
-        for e in 0..4usize {
-            let (lo, hi) = unpack(word.extract(e));
-            qs[w * 8 + 2 * e] = lo * scale;
-            qs[w * 8 + 2 * e + 1] = hi * scale;
-        }
-    }
-
-    // 2. Online softmax over keys kg, kg + 8, …
     let first = meta[2 * row] as usize;
     let count = meta[2 * row + 1] as usize;
-    let neg_inf = f32::new(f32::NEG_INFINITY);
-    let mut m = neg_inf;
+    let chunk = split_chunk(count);
+    let start = split * chunk;
+    // A whole cube leaves at once (the condition is the cube's), so the shuffles below always
+    // see every lane.
+    if start < count {
+        let mut end = start + chunk;
+        if end > count {
+            end = count;
+        }
+        // 1. This lane's quarter of q, scaled, in f32.
+        let mut qs = Array::<f32>::new(head_dim / 4);
+        let q_base = (row * heads + head) * (head_dim / 8) + dq * words;
+        #[unroll]
+        for w in 0..words {
+            let word = q[q_base + w];
+            #[unroll]
+            for e in 0..4usize {
+                let (lo, hi) = unpack(word.extract(e));
+                qs[w * 8 + 2 * e] = lo * scale;
+                qs[w * 8 + 2 * e + 1] = hi * scale;
+            }
+        }
+
+        // 2. Online softmax over this split's keys start + kg, start + kg + 8, …
+        let neg_inf = f32::new(f32::NEG_INFINITY);
+        let mut m = neg_inf;
+        let mut l = 0.0f32;
+        let mut acc = Array::<f32>::new(head_dim / 4);
+        #[unroll]
+        for i in 0..head_dim / 4 {
+            acc[i] = 0.0f32;
+        }
+        let mut j = start + kg;
+        while j < end {
+            let phys = keys[first + j] as usize;
+            let base = (phys * kv_heads + kvh) * (head_dim / 8) + dq * words;
+            let mut dot = 0.0f32;
+            #[unroll]
+            for w in 0..words {
+                let word = k[base + w];
+                #[unroll]
+                for e in 0..4usize {
+                    let (lo, hi) = unpack(word.extract(e));
+                    dot += qs[w * 8 + 2 * e] * lo;
+                    dot += qs[w * 8 + 2 * e + 1] * hi;
+                }
+            }
+            dot += plane_shuffle_xor(dot, 1u32);
+            dot += plane_shuffle_xor(dot, 2u32);
+            let m_new = max(m, dot);
+            let corr = (m - m_new).exp();
+            let p = (dot - m_new).exp();
+            l = l * corr + p;
+            #[unroll]
+            for w in 0..words {
+                let word = v[base + w];
+                #[unroll]
+                for e in 0..4usize {
+                    let (lo, hi) = unpack(word.extract(e));
+                    let a = w * 8 + 2 * e;
+                    acc[a] = acc[a] * corr + p * lo;
+                    acc[a + 1] = acc[a + 1] * corr + p * hi;
+                }
+            }
+            m = m_new;
+            j += KEY_GROUPS;
+        }
+
+        // 3. Merge the key groups (lanes 4 apart, then 8, then 16): the same sums on both sides.
+        #[unroll]
+        for level in 0..3u32 {
+            let mask = 4u32 << level;
+            let m_o = plane_shuffle_xor(m, mask);
+            let l_o = plane_shuffle_xor(l, mask);
+            let m_new = max(m, m_o);
+            let mut c_self = 0.0f32;
+            let mut c_other = 0.0f32;
+            if m_new != neg_inf {
+                c_self = (m - m_new).exp();
+                c_other = (m_o - m_new).exp();
+            }
+            l = l * c_self + l_o * c_other;
+            #[unroll]
+            for i in 0..head_dim / 4 {
+                let a_o = plane_shuffle_xor(acc[i], mask);
+                acc[i] = acc[i] * c_self + a_o * c_other;
+            }
+            m = m_new;
+        }
+
+        // 4. Key group 0 writes its quarter of the split's state.
+        let slot = (row * heads + head) * MAX_SPLITS + split;
+        if kg == 0 {
+            let p_base = slot * head_dim + dq * (head_dim / 4);
+            #[unroll]
+            for i in 0..head_dim / 4 {
+                part[p_base + i] = acc[i];
+            }
+            if dq == 0 {
+                ml[2 * slot] = m;
+                ml[2 * slot + 1] = l;
+            }
+        }
+    }
+}
+
+/// `out[r, h, d]`: the splits of row `r`, head `h` merged in split order (thread `d` of cube
+/// `(r, h)`), normalised, rounded to bf16.
+#[cube(launch_unchecked)]
+fn combine_kernel(part: &[f32], ml: &[f32], meta: &[i32], out: &mut [bf16], #[comptime] head_dim: usize) {
+    let row = CUBE_POS_X as usize;
+    let head = CUBE_POS_Y as usize;
+    let heads = CUBE_COUNT_Y as usize;
+    let d = UNIT_POS_X as usize;
+    let count = meta[2 * row + 1] as usize;
+    let chunk = split_chunk(count);
+    let splits = (count + chunk - 1) / chunk;
+    let base = (row * heads + head) * MAX_SPLITS;
+    let mut big = f32::new(f32::NEG_INFINITY);
+    for s in 0..splits {
+        big = max(big, ml[2 * (base + s)]);
+    }
     let mut l = 0.0f32;
-    let mut acc = Array::<f32>::new(head_dim / 4);
-    #[unroll]
-    for i in 0..head_dim / 4 {
-        acc[i] = 0.0f32;
+    let mut acc = 0.0f32;
+    for s in 0..splits {
+        let c = (ml[2 * (base + s)] - big).exp();
+        l += ml[2 * (base + s) + 1] * c;
+        acc += part[(base + s) * head_dim + d] * c;
     }
-    let mut j = kg;
-    while j < count {
-        let phys = keys[first + j] as usize;
-        let base = (phys * kv_heads + kvh) * (head_dim / 8) + dq * words;
-        let mut dot = 0.0f32;
-        #[unroll]
-        for w in 0..words {
-            let word = k[base + w];
-            #[unroll]
-            for e in 0..4usize {
-                let (lo, hi) = unpack(word.extract(e));
-                dot += qs[w * 8 + 2 * e] * lo;
-                dot += qs[w * 8 + 2 * e + 1] * hi;
-            }
-        }
-        dot += plane_shuffle_xor(dot, 1u32);
-        dot += plane_shuffle_xor(dot, 2u32);
-        let m_new = max(m, dot);
-        let corr = (m - m_new).exp();
-        let p = (dot - m_new).exp();
-        l = l * corr + p;
-        #[unroll]
-        for w in 0..words {
-            let word = v[base + w];
-            #[unroll]
-            for e in 0..4usize {
-                let (lo, hi) = unpack(word.extract(e));
-                let a = w * 8 + 2 * e;
-                acc[a] = acc[a] * corr + p * lo;
-                acc[a + 1] = acc[a + 1] * corr + p * hi;
-            }
-        }
-        m = m_new;
-        j += KEY_GROUPS;
-    }
-
-    // 3. Merge the key groups (lanes 4 apart, then 8, then 16): the same sums on both sides.
-    #[unroll]
-    for level in 0..3u32 {
-        let mask = 4u32 << level;
-        let m_o = plane_shuffle_xor(m, mask);
-        let l_o = plane_shuffle_xor(l, mask);
-        let m_new = max(m, m_o);
-        let mut c_self = 0.0f32;
-        let mut c_other = 0.0f32;
-        if m_new != neg_inf {
-            c_self = (m - m_new).exp();
-            c_other = (m_o - m_new).exp();
-        }
-        l = l * c_self + l_o * c_other;
-        #[unroll]
-        for i in 0..head_dim / 4 {
-            let a_o = plane_shuffle_xor(acc[i], mask);
-            acc[i] = acc[i] * c_self + a_o * c_other;
-        }
-        m = m_new;
-    }
-
-    // 4. Key group 0 writes its quarter.
-    if kg == 0 {
-        let inv = 1.0f32 / l;
-        let o_base = (row * heads + head) * head_dim + dq * (head_dim / 4);
-        #[unroll]
-        for i in 0..head_dim / 4 {
-            out[o_base + i] = bf16::cast_from(acc[i] * inv);
-        }
-    }
+    out[(row * heads + head) * head_dim + d] = bf16::cast_from(acc * (1.0f32 / l));
 }
 
 /// Whether the kernel takes this problem: bf16 q and pool, a head width that splits into four
@@ -211,25 +280,48 @@ fn launch(q: CubeTensor, k: CubeTensor, v: CubeTensor, keys: CubeTensor, meta: C
     );
     let n_keys = keys.meta.shape()[0];
     let pool_words = pool_rows * kv_heads * head_dim / 8;
-    // SAFETY: lengths are the buffers' sizes in the kernel's units; the kernel reads q rows
+    let scratch = |len: usize| {
+        burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+            client.clone(),
+            q.device.clone(),
+            [len].into(),
+            DType::F32,
+        )
+    };
+    let part = scratch(rows * heads * MAX_SPLITS * head_dim);
+    let ml = scratch(rows * heads * MAX_SPLITS * 2);
+    // SAFETY: lengths are the buffers' sizes in the kernel's units; the split kernel reads q rows
     // `< rows`, pool rows named in `keys` (the caller's page tables, all `< pool_rows`), `keys`
     // entries `meta[2r] .. meta[2r] + meta[2r + 1]` (within `keys` by construction of the plan),
-    // and writes `out` within `[rows, heads, head_dim]`.
+    // and writes slots `< rows · heads · MAX_SPLITS` of `part` and `ml`; the combine reads the
+    // slots the splits of each row wrote (the same `split_chunk` of the same count) and writes
+    // `out` within `[rows, heads, head_dim]`.
     unsafe {
-        paged_attention_kernel::launch_unchecked(
+        paged_attention_split_kernel::launch_unchecked(
             &client,
-            CubeCount::Static(rows as u32, kv_heads as u32, 1),
+            CubeCount::Static(rows as u32, kv_heads as u32, MAX_SPLITS as u32),
             CubeDim::new_2d(32, groups as u32),
             BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim / 8),
             BufferArg::from_raw_parts(k.handle.clone(), pool_words),
             BufferArg::from_raw_parts(v.handle.clone(), pool_words),
             BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
             BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
-            BufferArg::from_raw_parts(out.handle.clone(), rows * heads * head_dim),
+            BufferArg::from_raw_parts(part.handle.clone(), rows * heads * MAX_SPLITS * head_dim),
+            BufferArg::from_raw_parts(ml.handle.clone(), rows * heads * MAX_SPLITS * 2),
             kv_heads as u32,
             1.0 / (head_dim as f32).sqrt(),
             head_dim,
             groups,
+        );
+        combine_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(rows as u32, heads as u32, 1),
+            CubeDim::new_1d(head_dim as u32),
+            BufferArg::from_raw_parts(part.handle.clone(), rows * heads * MAX_SPLITS * head_dim),
+            BufferArg::from_raw_parts(ml.handle.clone(), rows * heads * MAX_SPLITS * 2),
+            BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
+            BufferArg::from_raw_parts(out.handle.clone(), rows * heads * head_dim),
+            head_dim,
         );
     }
     out
