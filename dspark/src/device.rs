@@ -132,3 +132,14 @@ impl FromStr for ComputeDtype {
         }
     }
 }
+
+/// Run `make` with every device allocation it makes taken as persistent memory (exact-size,
+/// kept for the process), the way weights, K/V pools and other long-lived buffers are created.
+///
+/// Why: CubeCL's pools size their pages to the largest allocation they have served. A
+/// 1.2 GB LM head in those pools made every page 1.2 GB, and each recorded graph, which keeps
+/// the pages it touched for its life, then cost a whole such page. With long-lived buffers
+/// outside the pools, the pages stay as small as the activations.
+pub(crate) fn persistent<T: Send, I: Send>(device: &Device, input: I, make: impl Fn(I) -> T + Send) -> T {
+    device.memory_persistent_allocations(input, make)
+}

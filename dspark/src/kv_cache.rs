@@ -163,6 +163,13 @@ pub trait KvCache {
 
     /// Pages not held by any sequence.
     fn free_pages(&self) -> usize;
+
+    /// An identity for device graphs recorded against this cache's pools, unique in the process
+    /// and fixed for the cache's life (its pools never move); `None` when forwards through this
+    /// cache are not recorded.
+    fn graph_id(&self) -> Option<u64> {
+        None
+    }
 }
 
 #[derive(Debug, Default)]
@@ -184,7 +191,12 @@ pub struct PagedKvCache {
     free: Vec<usize>,
     seqs: HashMap<SeqId, SeqState>,
     next_id: SeqId,
+    /// See [`KvCache::graph_id`].
+    graph_id: u64,
 }
+
+/// Source of [`PagedKvCache`] graph identities.
+static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl PagedKvCache {
     /// A pool of `floor(budget_bytes / page_bytes)` pages on `device`.
@@ -206,11 +218,13 @@ impl PagedKvCache {
         let make = || {
             (0..layout.layers)
                 .map(|_| {
-                    Tensor::zeros(
-                        [rows, layout.kv_heads, layout.head_dim],
-                        burn::tensor::TensorCreationOptions::new(device.clone())
-                            .with_dtype(layout.dtype.dtype()),
-                    )
+                    crate::device::persistent(device, (), |()| {
+                        Tensor::zeros(
+                            [rows, layout.kv_heads, layout.head_dim],
+                            burn::tensor::TensorCreationOptions::new(device.clone())
+                                .with_dtype(layout.dtype.dtype()),
+                        )
+                    })
                 })
                 .collect::<Vec<_>>()
         };
@@ -225,6 +239,7 @@ impl PagedKvCache {
             free: (0..num_pages).rev().collect(),
             seqs: HashMap::new(),
             next_id: 0,
+            graph_id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -421,6 +436,10 @@ impl KvCache for PagedKvCache {
 
     fn free_pages(&self) -> usize {
         self.free.len()
+    }
+
+    fn graph_id(&self) -> Option<u64> {
+        Some(self.graph_id)
     }
 }
 

@@ -185,7 +185,7 @@ impl Checkpoint {
         let data = self.read(name, &shape, dtype)?;
         // The dtype must be explicit: without it burn converts to the device's default float.
         let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
-        Ok(Tensor::from_data(data, options))
+        Ok(crate::device::persistent(device, data, |data| Tensor::from_data(data, options.clone())))
     }
 
     /// Read tensor `name` into host memory as `dtype`, checking its shape.
@@ -241,7 +241,7 @@ pub(crate) fn host_f32_tensor<const D: usize>(
     let bytes = convert(&bytes, Dtype::F32, dtype).unwrap_or_default();
     let data = TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype.dtype());
     let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
-    Tensor::from_data(data, options)
+    crate::device::persistent(device, data, |data| Tensor::from_data(data, options.clone()))
 }
 
 /// Convert little-endian `bytes` of `src` to the little-endian bytes of `dst`.
@@ -301,5 +301,5 @@ pub fn host_matrix(
         convert(bytes, st, dst).ok_or_else(|| Error::InvalidInput(format!("{what}: dtype {src}")))?;
     let data = TensorData::from_bytes_vec(values, vec![rows, cols], dst.dtype());
     let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dst.dtype());
-    Ok(Tensor::from_data(data, options))
+    Ok(crate::device::persistent(device, data, |data| Tensor::from_data(data, options.clone())))
 }

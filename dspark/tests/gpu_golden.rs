@@ -468,3 +468,97 @@ fn cuda_bf16_qwen3_8b_shapes_fp8_draft_is_lossless() {
         assert_eq!(first, None, "lane {i}: speculative with an FP8 draft and target-only differ");
     }
 }
+
+#[test]
+fn cuda_bf16_qwen3_8b_shapes_recorded_forwards_equal_op_by_op() {
+    // Issue 4 item 2: the target's steps and verify windows, the draft's context extensions and
+    // its greedy rounds replayed as recorded CUDA graphs compute what the op-by-op forwards
+    // compute, bit for bit: the same logits for every window width, the same proposals (so the
+    // same rounds) and the same output. Graphs are process-wide; run with --test-threads=1.
+    use dspark::{KvCache, PagedKvCache, TargetBinding};
+
+    let config = qwen3_8b();
+    let target = || {
+        CUDA.device().unwrap().seed(8);
+        Qwen3::random(config.clone(), ComputeDtype::Bf16, CUDA).unwrap()
+    };
+    let prompts: Vec<Vec<u32>> = (0..2)
+        .map(|l| (0..9 + 13 * l).map(|i| ((i * 7919 + l * 104_729) % 151_000) as u32).collect())
+        .collect();
+    let requests: Vec<Request> =
+        prompts.iter().map(|p| Request { prompt: p.clone(), params: SamplingParams::greedy(64) }).collect();
+
+    // 1. Target logits over windows of 1, 8 and 17 rows: recorded against op by op.
+    let t = target();
+    let text: Vec<u32> = (0..80).map(|i| ((i * 3571 + 11) % 151_000) as u32).collect();
+    let windows = |graphs: bool| {
+        dspark_kernels::set_graphs_enabled(graphs);
+        let mut kv = PagedKvCache::new(t.kv_layout(16), 1 << 30, t.device()).unwrap();
+        let seq = kv.allocate();
+        let mut rows = logit_rows(&t, &mut kv, seq, &text[..20]);
+        let mut at = 20;
+        for width in [1usize, 8, 17, 1, 8, 1, 17] {
+            rows.extend(logit_rows(&t, &mut kv, seq, &text[at..at + width]));
+            at += width;
+        }
+        rows
+    };
+    let (recorded, op_by_op) = (windows(true), windows(false));
+    let differing = recorded.chunks(151_936).zip(op_by_op.chunks(151_936)).filter(|(a, b)| a != b).count();
+    println!("qwen3-8b shapes: {differing} logit rows differ between recorded and op-by-op forwards");
+    assert_eq!(differing, 0, "recorded forwards differ from op-by-op forwards");
+    drop(t);
+
+    // 2. One draft's context extensions and greedy proposal (γ = 7, confidence head), recorded
+    //    and op by op: the same tokens and the same confidences, bit for bit.
+    {
+        use burn::tensor::{Distribution, Tensor, TensorCreationOptions};
+        use dspark::{ProposeLane, Speculator};
+        let t = target();
+        let cache = DraftCacheConfig { kv_budget_bytes: 256 << 20, ..DraftCacheConfig::default() };
+        let device = CUDA.device().unwrap();
+        device.seed(10);
+        let width = 5 * config.hidden_size;
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(burn::tensor::DType::BF16);
+        let features = Tensor::<2>::random([64, width], Distribution::Normal(0.0, 1.0), opts);
+        let greedy = SamplingParams::greedy(7);
+        let propose = |graphs: bool| {
+            dspark_kernels::set_graphs_enabled(graphs);
+            device.seed(9);
+            let mut d = DSparkDraft::random(dspark_draft_8b(&config), TargetBinding::of(&t), &cache).unwrap();
+            let s = d.begin();
+            let mut out = Vec::new();
+            // Each extension size and the round come back: a shape is recorded when seen again.
+            for (start, rows) in [(0, 24), (24, 8), (32, 8), (40, 1), (41, 1), (42, 7), (49, 7)] {
+                d.extend_context(s, features.clone().narrow(0, start, rows)).unwrap();
+                let p =
+                    d.propose(&[ProposeLane { seq: s, anchor: 5 + start as u32, params: &greedy }]).unwrap();
+                out.push((p[0].tokens.clone(), p[0].confidence.clone()));
+            }
+            out
+        };
+        let (recorded, op_by_op) = (propose(true), propose(false));
+        println!("qwen3-8b shapes, draft: recorded {recorded:?}");
+        assert_eq!(recorded, op_by_op, "recorded draft rounds differ from op-by-op rounds");
+        drop(t);
+    }
+
+    // 3. Speculative generation (γ = 7, confidence head), recorded and op by op, and target-only.
+    let run = |graphs: bool| {
+        dspark_kernels::set_graphs_enabled(graphs);
+        let t = target();
+        let cache = DraftCacheConfig { kv_budget_bytes: 256 << 20, ..DraftCacheConfig::default() };
+        let draft = DSparkDraft::random(dspark_draft_8b(&config), TargetBinding::of(&t), &cache).unwrap();
+        let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
+        spec.generate(&requests).unwrap()
+    };
+    let (fast, slow) = (run(true), run(false));
+    dspark_kernels::set_graphs_enabled(true);
+    let plain = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
+    for (i, ((f, s), p)) in fast.iter().zip(&slow).zip(&plain).enumerate() {
+        println!("lane {i}: recorded {} rounds, op by op {} rounds", f.stats.rounds, s.stats.rounds);
+        assert_eq!(f.tokens, p.tokens, "lane {i}: recorded speculative differs from target-only");
+        assert_eq!(s.tokens, p.tokens, "lane {i}: op-by-op speculative differs from target-only");
+        assert_eq!(f.stats.rounds, s.stats.rounds, "lane {i}: recorded proposals differ from op by op");
+    }
+}

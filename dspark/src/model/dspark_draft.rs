@@ -8,6 +8,7 @@ use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
 use super::fp8::{DraftQuant, Fp8Counts, load_projection};
+use super::graphs::{Graphs, HostInputs, MAX_GRAPH_ROWS, Ran, ShapeKey};
 use super::layer::{AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj, Weight};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::markov_device::DeviceMarkov;
@@ -136,6 +137,10 @@ pub struct DSparkDraft {
     /// Device copies of the heads for the device Markov pass (where this crate's kernels run,
     /// or when asked for with [`DSparkDraft::set_device_markov`]); `None`: the host pass.
     device_markov: Option<DeviceMarkov>,
+    /// Cos/sin of every position, built for the first recorded round.
+    rope_table: std::sync::OnceLock<(Tensor<2>, Tensor<2>)>,
+    /// Recorded greedy rounds (CUDA); dropped whenever the weights or heads change.
+    graphs: Graphs,
 }
 
 /// The draft's own weights, before they are bound to the target.
@@ -377,14 +382,16 @@ impl DSparkDraft {
         let mut fp8 = Fp8Counts::default();
         let fc_dims = [h, layer_ids.len() * h];
         let fc = match quant {
-            None => Proj::new(Tensor::random(fc_dims, dist, opts.clone())),
+            None => Proj::new(crate::device::persistent(&device, (), |()| {
+                Tensor::random(fc_dims, dist, opts.clone())
+            })),
             Some(DraftQuant::Fp8PerChannel) => {
                 fp8.quantized_at_load += 1;
                 Proj::random_fp8(fc_dims, &mut || rng.next(0.02), dtype, &device)?
             }
         };
-        let hidden_norm = Tensor::ones([h], opts.clone());
-        let norm = Tensor::ones([h], opts);
+        let hidden_norm = crate::device::persistent(&device, (), |()| Tensor::ones([h], opts.clone()));
+        let norm = crate::device::persistent(&device, (), |()| Tensor::ones([h], opts.clone()));
         let mut layers = Vec::with_capacity(b.num_hidden_layers);
         for _ in 0..b.num_hidden_layers {
             layers.push(match quant {
@@ -471,6 +478,8 @@ impl DSparkDraft {
             cache,
             config,
             fp8,
+            rope_table: std::sync::OnceLock::new(),
+            graphs: Graphs::default(),
         })
     }
 
@@ -478,6 +487,7 @@ impl DSparkDraft {
     /// run) or on the host in f64 (`false`). The device pass serves the vanilla head (or none);
     /// with a gated or rnn head the host pass stays. Returns whether the device pass is now on.
     pub fn set_device_markov(&mut self, on: bool) -> bool {
+        self.graphs = Graphs::default();
         self.device_markov =
             if on { DeviceMarkov::new(self.markov.as_ref(), self.dtype, &self.device) } else { None };
         self.device_markov.is_some()
@@ -505,6 +515,7 @@ impl DSparkDraft {
     /// [`Error::InvalidInput`] when a weight holds a non-finite value.
     pub fn quantize(&mut self, quant: DraftQuant) -> Result<()> {
         let DraftQuant::Fp8PerChannel = quant;
+        self.graphs = Graphs::default();
         let before = self.fp8_on_device();
         if !self.fc.is_fp8() {
             self.fc = self.fc.quantized()?;
@@ -532,6 +543,7 @@ impl DSparkDraft {
     /// # Errors
     /// [`Error::InvalidInput`] when the head holds a non-finite value.
     pub fn quantize_lm_head(&mut self) -> Result<usize> {
+        self.graphs = Graphs::default();
         if !self.fp8_lm_head {
             self.lm_head = self.lm_head.quantized()?;
             self.fp8_lm_head = true;
@@ -705,7 +717,6 @@ impl DSparkDraft {
         } else {
             Tensor::cat(items.iter().map(|(_, f)| f.clone()).collect(), 0)
         };
-        let c = self.context_projection(features);
         let ranges = self.cache.reserve(&grow)?;
         let result = (|| -> Result<()> {
             let mut positions = Vec::new();
@@ -714,6 +725,10 @@ impl DSparkDraft {
                 positions.extend(range.clone());
                 physical.extend_from_slice(&self.cache.physical_rows(seq, range.end)?[range.start..]);
             }
+            if let Some(done) = self.extend_recorded(&features, &positions, &physical) {
+                return done;
+            }
+            let c = self.context_projection(features.clone());
             let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
             let n = physical.len();
             let rows = Tensor::<1, Int>::from_data(TensorData::new(physical, [n]), &self.device);
@@ -734,6 +749,193 @@ impl DSparkDraft {
             }
         }
         result
+    }
+
+    /// A greedy round as one replay of the graph recorded for its lane count (recorded now when
+    /// new): the block forward, the LM-head rows and the device Markov steps, with one read of
+    /// the tokens (and the block's hidden rows when a confidence head reads them). `None` where
+    /// it does not apply (sampling lanes, no device pass, no graphs, no room for the scratch
+    /// rows): the round then runs op by op. Its proposals equal the op-by-op round's bit for bit.
+    fn propose_recorded(&mut self, lanes: &[ProposeLane<'_>]) -> Option<Result<Vec<Proposal>>> {
+        let gamma = self.config.block_size;
+        let (h, n) = (self.config.base.hidden_size, lanes.len() * gamma);
+        let table_rows = self.config.base.max_position_embeddings;
+        if n > MAX_GRAPH_ROWS
+            || !lanes.iter().all(|l| l.params.is_greedy())
+            || self.device_markov.is_none()
+            || !super::graphs::recording(&self.device)
+            || !self.paged()
+        {
+            return None;
+        }
+        let contexts = match lanes.iter().map(|l| self.cache.len(l.seq)).collect::<Result<Vec<_>>>() {
+            Ok(c) => c,
+            Err(e) => return Some(Err(e)),
+        };
+        if contexts.iter().any(|&c| c + gamma > table_rows) {
+            return None;
+        }
+        // 1. γ scratch rows per lane for the block's own K/V (given back below).
+        let grow: Vec<(SeqId, usize)> = lanes.iter().map(|l| (l.seq, gamma)).collect();
+        if self.cache.reserve(&grow).is_err() {
+            return None;
+        }
+        let mut host = HostInputs::default();
+        let mut new_rows = Vec::with_capacity(n);
+        let mut positions = Vec::with_capacity(n);
+        let mask = i64::from(self.config.mask_token_id);
+        for (lane, &context) in lanes.iter().zip(&contexts) {
+            host.ints.push(i64::from(lane.anchor));
+            host.ints.extend(std::iter::repeat_n(mask, gamma - 1));
+            positions.extend((context..context + gamma).map(|p| p as i64));
+            let first = host.keys.len() as i32;
+            let rows = match self.cache.physical_rows(lane.seq, context + gamma) {
+                Ok(rows) => rows,
+                Err(e) => {
+                    self.give_back_scratch(lanes, &contexts);
+                    return Some(Err(e));
+                }
+            };
+            new_rows.extend_from_slice(&rows[context..]);
+            host.keys.extend(rows.into_iter().map(|r| r as i32));
+            for _ in 0..gamma {
+                host.meta.extend([first, (context + gamma) as i32]);
+            }
+        }
+        host.ints.extend(positions);
+        host.ints.extend(new_rows);
+        host.ints.extend(lanes.iter().map(|l| i64::from(l.anchor)));
+        let with_hidden = self.confidence.is_some();
+        let key =
+            ShapeKey { rows: n, ints: host.ints.len(), detail: vec![lanes.len(), usize::from(with_hidden)] };
+        let pool_rows = self.cache.pools(0).map_or(0, |(k, _)| k.dims()[0]);
+        let id = self.cache.graph_id().unwrap_or(0);
+        let (cos_t, sin_t) =
+            self.rope_table.get_or_init(|| self.rope.full_tables(table_rows, self.dtype, &self.device));
+        let (embed, layers, norm, lm_head) = (&self.embed_tokens, &self.layers, &self.norm, &self.lm_head);
+        let (eps, cache, markov) =
+            (self.config.base.rms_norm_eps, &mut self.cache, self.device_markov.as_ref());
+        let (lane_count, vocab) = (lanes.len(), self.config.base.vocab_size);
+        // 2. the round on the device: inputs in place, one replay.
+        let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
+            let at = inputs.ints(n, n);
+            let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
+            let plan = inputs.plan(n, 2 * n);
+            let mut x = embed.clone().select(0, inputs.ints(0, n));
+            for (l, layer) in layers.iter().enumerate() {
+                x = layer.forward_block_paged(l, x, &cos, &sin, &plan, cache)?;
+            }
+            let hidden = rms_norm(x, norm, eps);
+            let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
+            let logits = to32(lm_head.apply(hidden.clone())).reshape([lane_count, gamma, vocab]);
+            let Some(markov) = markov else {
+                return Err(Error::InvalidInput("the recorded round needs the device Markov pass".into()));
+            };
+            let tokens = markov.greedy(inputs.ints(3 * n, lane_count), logits, gamma);
+            let tokens = tokens.float().cast(DType::F32).reshape([1, n]);
+            Ok(vec![if with_hidden {
+                Tensor::cat(vec![tokens, to32(hidden).reshape([1, n * h])], 1)
+            } else {
+                tokens
+            }])
+        });
+        self.give_back_scratch(lanes, &contexts);
+        let out = match ran {
+            Ran::Replayed(mut outs) => match outs.pop().map(read_f32) {
+                Some(Ok(out)) => out,
+                Some(Err(e)) => return Some(Err(e)),
+                None => return Some(Err(Error::Backend("a recorded round returned nothing".into()))),
+            },
+            Ran::NotRecorded => return None,
+            Ran::Failed(e) => return Some(Err(e)),
+        };
+        let (tokens, hidden) = out.split_at(n);
+        let proposals = lanes
+            .iter()
+            .enumerate()
+            .map(|(i, lane)| {
+                let tokens: Vec<u32> = tokens[i * gamma..(i + 1) * gamma].iter().map(|&t| t as u32).collect();
+                let confidence = self.confidences(lane.anchor, &tokens, &hidden[i * gamma * h..]);
+                Proposal { tokens, q: None, confidence }
+            })
+            .collect();
+        Some(Ok(proposals))
+    }
+
+    /// A context extension as one replay of the graph recorded for its row count (recorded now
+    /// when new): the projection `c`, and each layer's K/V of it written at `physical`. `None`
+    /// where graphs do not run: the extension then runs op by op.
+    fn extend_recorded(
+        &mut self,
+        features: &Tensor<2>,
+        positions: &[usize],
+        physical: &[i64],
+    ) -> Option<Result<()>> {
+        let [n, width] = features.dims();
+        let table_rows = self.config.base.max_position_embeddings;
+        if n > MAX_GRAPH_ROWS
+            || !super::graphs::recording(&self.device)
+            || positions.iter().any(|&p| p >= table_rows)
+            || features.dtype() != self.dtype.dtype()
+        {
+            return None;
+        }
+        let mut host = HostInputs { floats: Some(features.clone()), ..HostInputs::default() };
+        host.ints.extend(positions.iter().map(|&p| p as i64));
+        host.ints.extend_from_slice(physical);
+        // Detail 0 tells extensions from rounds (whose first detail is a lane count).
+        let key = ShapeKey { rows: n, ints: host.ints.len(), detail: vec![0, width] };
+        let pool_rows = self.cache.pools(0).map_or(0, |(k, _)| k.dims()[0]);
+        let id = self.cache.graph_id().unwrap_or(0);
+        let (cos_t, sin_t) =
+            self.rope_table.get_or_init(|| self.rope.full_tables(table_rows, self.dtype, &self.device));
+        let (fc, hidden_norm, layers) = (&self.fc, &self.hidden_norm, &self.layers);
+        let (eps, cache) = (self.config.base.rms_norm_eps, &mut self.cache);
+        let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
+            let features = inputs
+                .floats(n, width)
+                .ok_or_else(|| Error::InvalidInput("a recorded extension without its features".into()))?;
+            let c = rms_norm(fc.apply(features), hidden_norm, eps);
+            let at = inputs.ints(0, n);
+            let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
+            let rows = inputs.ints(n, n);
+            for (l, layer) in layers.iter().enumerate() {
+                layer.write_context(l, c.clone(), (&cos, &sin), ContextRows::Physical(&rows), cache)?;
+            }
+            Ok(Vec::new())
+        });
+        match ran {
+            Ran::Replayed(_) => Some(Ok(())),
+            Ran::NotRecorded => None,
+            Ran::Failed(e) => Some(Err(e)),
+        }
+    }
+
+    /// Shorten each lane back to its context after a block forward's scratch rows.
+    fn give_back_scratch(&mut self, lanes: &[ProposeLane<'_>], contexts: &[usize]) {
+        for (lane, &context) in lanes.iter().zip(contexts) {
+            if let Err(e) = self.cache.truncate(lane.seq, context) {
+                tracing::warn!(seq = lane.seq, error = %e, "could not give back a block's scratch rows");
+            }
+        }
+    }
+
+    /// σ of the confidence head at each step of one lane's block, from the block's hidden rows
+    /// (`[γ, H]` row-major, at least) and the tokens chosen; `None` without the head.
+    fn confidences(&self, anchor: u32, tokens: &[u32], hidden: &[f32]) -> Option<Vec<f32>> {
+        let h = self.config.base.hidden_size;
+        self.confidence.as_ref().map(|c| {
+            let mut prev = anchor;
+            let mut out = Vec::with_capacity(tokens.len());
+            for (k, &token) in tokens.iter().enumerate() {
+                let h_k = &hidden[k * h..(k + 1) * h];
+                let e = self.markov.as_ref().map(|m| m.embed(prev));
+                let x = c.logit(h_k, e.as_deref());
+                out.push((1.0 / (1.0 + (-x).exp())) as f32);
+                prev = token;
+            }
+            out
+        })
     }
 
     /// The sequential Markov pass over one lane's block, on host rows: corrected logits per
@@ -912,6 +1114,9 @@ impl Speculator for DSparkDraft {
         }
         let gamma = self.config.block_size;
         let (h, v) = (self.config.base.hidden_size, self.config.base.vocab_size);
+        if let Some(proposals) = self.propose_recorded(lanes) {
+            return proposals;
+        }
         let pairs: Vec<(SeqId, u32)> = lanes.iter().map(|l| (l.seq, l.anchor)).collect();
         let (hidden, logits) = self.block_forward(&pairs)?;
         if let Some(dev) = &self.device_markov {
@@ -926,18 +1131,8 @@ impl Speculator for DSparkDraft {
             let round = dev.run(&anchors, logits, gamma, &params, &positions)?;
             let mut proposals = Vec::with_capacity(lanes.len());
             for (i, ((tokens, q), lane)) in round.tokens.into_iter().zip(round.q).zip(lanes).enumerate() {
-                let confidence = self.confidence.as_ref().map(|c| {
-                    let mut prev = lane.anchor;
-                    let mut out = Vec::with_capacity(gamma);
-                    for (k, &token) in tokens.iter().enumerate() {
-                        let h_k = &hidden[(i * gamma + k) * h..(i * gamma + k + 1) * h];
-                        let e = self.markov.as_ref().map(|m| m.embed(prev));
-                        let x = c.logit(h_k, e.as_deref());
-                        out.push((1.0 / (1.0 + (-x).exp())) as f32);
-                        prev = token;
-                    }
-                    out
-                });
+                let confidence =
+                    self.confidences(lane.anchor, &tokens, &hidden[(i * gamma * h).min(hidden.len())..]);
                 proposals.push(Proposal { tokens, q: (!lane.params.is_greedy()).then_some(q), confidence });
             }
             return Ok(proposals);

@@ -82,7 +82,10 @@ fn fused(parts: &[Weight]) -> Option<Proj> {
                     Weight::Fp8(_) => None,
                 })
                 .collect();
-            dense.map(|ts| Proj::new(Tensor::cat(ts, 0)))
+            dense.map(|ts| {
+                let device = ts[0].device();
+                Proj::new(crate::device::persistent(&device, ts, |ts| Tensor::cat(ts, 0)))
+            })
         }
         [Weight::Fp8(_), ..] => {
             let fp8: Option<Vec<Fp8Matrix>> = parts
@@ -445,8 +448,11 @@ impl DecoderLayer {
     pub fn random(shape: LayerShape, dtype: ComputeDtype, device: &Device, scale: f64) -> Self {
         let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
         let dist = burn::tensor::Distribution::Uniform(-scale, scale);
-        let matrix = |rows: usize, cols: usize| Tensor::<2>::random([rows, cols], dist, opts.clone());
-        let ones = |len: usize| Tensor::<1>::ones([len], opts.clone());
+        let matrix = |rows: usize, cols: usize| {
+            crate::device::persistent(device, (), |()| Tensor::<2>::random([rows, cols], dist, opts.clone()))
+        };
+        let ones =
+            |len: usize| crate::device::persistent(device, (), |()| Tensor::<1>::ones([len], opts.clone()));
         let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
         Self {
             input_layernorm: ones(hidden),
@@ -474,7 +480,8 @@ impl DecoderLayer {
         draw: &mut impl FnMut() -> f32,
     ) -> Result<Self> {
         let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
-        let ones = |len: usize| Tensor::<1>::ones([len], opts.clone());
+        let ones =
+            |len: usize| crate::device::persistent(device, (), |()| Tensor::<1>::ones([len], opts.clone()));
         let LayerShape { hidden, intermediate, heads, kv_heads, head_dim, .. } = shape;
         let mut weight = |out: usize, inp: usize| random_fp8_weight([out, inp], draw, dtype, device);
         let q = weight(heads * head_dim, hidden)?;

@@ -45,8 +45,10 @@ impl DeviceMarkov {
     /// Upload the Markov head; `None` for the gated and rnn heads, which stay on the host pass.
     pub(crate) fn new(markov: Option<&MarkovHead>, dtype: ComputeDtype, device: &Device) -> Option<Self> {
         let upload = |values: &[f32], dims: [usize; 2], dtype: DType| {
-            let t = Tensor::<2>::from_data(TensorData::new(values.to_vec(), dims), device);
-            if dtype == DType::F32 { t } else { t.cast(dtype) }
+            crate::device::persistent(device, (), |()| {
+                let t = Tensor::<2>::from_data(TensorData::new(values.to_vec(), dims), device);
+                if dtype == DType::F32 { t } else { t.cast(dtype) }
+            })
         };
         let w = match markov {
             None => None,
@@ -79,49 +81,62 @@ impl DeviceMarkov {
         let mut prev = ids(anchors.iter().map(|&a| i64::from(a)).collect());
         let mut round =
             DeviceRound { tokens: vec![Vec::with_capacity(gamma); lanes], q: vec![Vec::new(); lanes] };
-        let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
-        for k in 0..gamma {
-            // 1. corrected logits of step k: base + W2 · W1[prev].
-            let e = self.w.as_ref().map(|(w1, _)| w1.clone().select(0, prev.clone()));
-            let mut row = base.clone().narrow(1, k, 1).reshape([lanes, v]);
-            if let (Some(e), Some((_, w2))) = (&e, &self.w) {
-                let bias = dspark_kernels::linear(e.clone(), w2);
-                row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
-            }
-            // 2. the token: argmax on the device, or drawn on the host.
-            if greedy {
-                // Lowest index on ties, as the host pass chooses.
-                let t = dspark_kernels::argmax_rows(row);
-                chosen.push(t.clone().reshape([lanes, 1]));
-                prev = t;
-            } else {
-                let host = read_f32(row)?;
-                let mut next = Vec::with_capacity(lanes);
-                for (i, logits) in host.chunks(v).enumerate() {
-                    let logits: Vec<f64> = logits.iter().map(|&x| f64::from(x)).collect();
-                    let p = params[i];
-                    let token = if p.is_greedy() {
-                        argmax_f64(&logits)
-                    } else {
-                        let q = softmax_t(&logits, f64::from(p.temperature));
-                        let u = coin(p.seed, Stream::Draft, positions[i] + k + 1);
-                        let t = sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits));
-                        round.q[i].push(q);
-                        t
-                    };
-                    round.tokens[i].push(token);
-                    next.push(i64::from(token));
-                }
-                prev = ids(next);
-            }
-        }
         if greedy {
-            let tokens = Tensor::cat(chosen, 1).into_data().convert::<i64>();
+            let tokens = self.greedy(prev, base, gamma).into_data().convert::<i64>();
             let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
             for (i, row) in tokens.chunks(gamma).enumerate() {
                 round.tokens[i] = row.iter().map(|&t| t as u32).collect();
             }
+            return Ok(round);
+        }
+        for k in 0..gamma {
+            let row = self.corrected(&prev, &base, k);
+            // The token, drawn on the host.
+            let host = read_f32(row)?;
+            let mut next = Vec::with_capacity(lanes);
+            for (i, logits) in host.chunks(v).enumerate() {
+                let logits: Vec<f64> = logits.iter().map(|&x| f64::from(x)).collect();
+                let p = params[i];
+                let token = if p.is_greedy() {
+                    argmax_f64(&logits)
+                } else {
+                    let q = softmax_t(&logits, f64::from(p.temperature));
+                    let u = coin(p.seed, Stream::Draft, positions[i] + k + 1);
+                    let t = sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits));
+                    round.q[i].push(q);
+                    t
+                };
+                round.tokens[i].push(token);
+                next.push(i64::from(token));
+            }
+            prev = ids(next);
         }
         Ok(round)
+    }
+
+    /// Step `k`'s corrected logits `base[:, k] + W2 · W1[prev]` (f32, `[lanes, V]`).
+    fn corrected(&self, prev: &Tensor<1, Int>, base: &Tensor<3>, k: usize) -> Tensor<2> {
+        let [lanes, _, v] = base.dims();
+        let mut row = base.clone().narrow(1, k, 1).reshape([lanes, v]);
+        if let Some((w1, w2)) = &self.w {
+            let e = w1.clone().select(0, prev.clone());
+            let bias = dspark_kernels::linear(e, w2);
+            row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
+        }
+        row
+    }
+
+    /// The γ greedy steps on the device alone (no upload, no read): `prev` `[lanes]` holds the
+    /// anchors, `base` `[lanes, γ, V]`; returns the tokens `[lanes, γ]`, each the lowest index
+    /// of its step's maximum, as the host pass chooses.
+    pub(crate) fn greedy(&self, mut prev: Tensor<1, Int>, base: Tensor<3>, gamma: usize) -> Tensor<2, Int> {
+        let lanes = base.dims()[0];
+        let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
+        for k in 0..gamma {
+            let t = dspark_kernels::argmax_rows(self.corrected(&prev, &base, k));
+            chosen.push(t.clone().reshape([lanes, 1]));
+            prev = t;
+        }
+        Tensor::cat(chosen, 1)
     }
 }

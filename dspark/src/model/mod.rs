@@ -4,6 +4,7 @@ mod cpu_gemm;
 mod draft_config;
 mod dspark_draft;
 pub mod fp8;
+mod graphs;
 mod layer;
 mod markov;
 mod markov_device;

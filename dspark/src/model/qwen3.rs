@@ -6,6 +6,7 @@ use std::path::Path;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm_rows as rms_norm;
 
+use super::graphs::{Graphs, HostInputs, Ran, ShapeKey};
 use super::layer::{AttnPlan, DecoderLayer, LayerShape, Proj, SeqRows};
 use super::rope::Rope;
 use crate::config::Qwen3Config;
@@ -100,6 +101,10 @@ pub struct Qwen3 {
     /// The LM head as a projection (on the CPU, a packed host copy).
     head: Proj,
     rope: Rope,
+    /// Cos/sin of every position, built for the first recorded forward.
+    rope_table: std::sync::OnceLock<(Tensor<2>, Tensor<2>)>,
+    /// Recorded forwards (CUDA).
+    graphs: Graphs,
 }
 
 impl Qwen3 {
@@ -144,7 +149,19 @@ impl Qwen3 {
         let theta = config.rope_theta_value().unwrap_or(1e6);
         let rope = Rope::new(theta, config.head_dim());
         let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
-        Ok(Self { config, dtype, device, embed_tokens, layers, norm, lm_head, head, rope })
+        Ok(Self {
+            config,
+            dtype,
+            device,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            head,
+            rope,
+            rope_table: std::sync::OnceLock::new(),
+            graphs: Graphs::default(),
+        })
     }
 
     /// A model with random weights at the shapes of `config` (validated), built directly on the
@@ -167,15 +184,29 @@ impl Qwen3 {
         let opts = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
         let dist = burn::tensor::Distribution::Uniform(-0.02, 0.02);
         let (v, h) = (config.vocab_size, config.hidden_size);
-        let embed_tokens = Tensor::random([v, h], dist, opts.clone());
-        let lm_head = (!config.tie_word_embeddings).then(|| Tensor::random([v, h], dist, opts.clone()));
+        let embed_tokens =
+            crate::device::persistent(&device, (), |()| Tensor::random([v, h], dist, opts.clone()));
+        let lm_head = (!config.tie_word_embeddings)
+            .then(|| crate::device::persistent(&device, (), |()| Tensor::random([v, h], dist, opts.clone())));
         let layers = (0..config.num_hidden_layers)
             .map(|_| DecoderLayer::random(shape, dtype, &device, 0.02))
             .collect();
-        let norm = Tensor::ones([h], opts);
+        let norm = crate::device::persistent(&device, (), |()| Tensor::ones([h], opts.clone()));
         let rope = Rope::new(config.rope_theta_value().unwrap_or(1e6), config.head_dim());
         let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
-        Ok(Self { config, dtype, device, embed_tokens, layers, norm, lm_head, head, rope })
+        Ok(Self {
+            config,
+            dtype,
+            device,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            head,
+            rope,
+            rope_table: std::sync::OnceLock::new(),
+            graphs: Graphs::default(),
+        })
     }
 
     /// Bytes of weights one decode step streams: every layer plus the LM head.
@@ -288,14 +319,37 @@ impl Qwen3 {
             offset += n;
         }
         let total = tokens.len();
+        // Logits for the requested rows only.
+        let mut pick = Vec::new();
+        let mut logit_rows = Vec::with_capacity(chunks.len());
+        for (chunk, s) in chunks.iter().zip(&seqs) {
+            let k = chunk.logits.count(s.rows.len());
+            let first = pick.len();
+            pick.extend((s.rows.end - k..s.rows.end).map(|r| r as i64));
+            logit_rows.push(first..first + k);
+        }
+        let rows = seqs.iter().map(|s| s.rows.clone()).collect();
+        let done = |(logits, features)| ForwardOutput { logits, logit_rows, features, rows };
         // The kernel reads one page table for the whole batch; without it each sequence gathers
         // its own rows.
-        let plan = match self.attention_plan(&seqs, cache) {
+        let plan = match self.host_plan(&seqs, cache) {
             Ok(plan) => plan,
             Err(e) => {
                 self.rollback(cache, &grow, &ranges);
                 return Err(e);
             }
+        };
+        // 2. the recorded forward of this shape, where graphs run.
+        let plan = match plan {
+            Some(plan) => match self.forward_recorded(&tokens, &positions, plan, &pick, capture, cache) {
+                Recorded::Done(out) => return Ok(done(*out)),
+                Recorded::Failed(e) => {
+                    self.rollback(cache, &grow, &ranges);
+                    return Err(e);
+                }
+                Recorded::No(plan) => Some(plan.upload(&self.device)),
+            },
+            None => None,
         };
         if plan.is_none() {
             for (s, pos) in seqs.iter_mut().zip(&ranges) {
@@ -308,20 +362,40 @@ impl Qwen3 {
                 }
             }
         }
-        // 2. embed [rows, hidden]; rotary tables [rows, head_dim].
+        // 3. op by op: embed [rows, hidden], rotary tables [rows, head_dim], the layers, logits.
         let ids = Tensor::<1, Int>::from_data(TensorData::new(tokens, [total]), &self.device);
-        let mut x = self.embed_tokens.clone().select(0, ids);
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
-        // 3. decoder layers, keeping the captured residual outputs.
+        let n = pick.len();
+        let pick = (n > 0 && n < total)
+            .then(|| Tensor::<1, Int>::from_data(TensorData::new(pick, [n]), &self.device));
+        match self.body(ids, (&cos, &sin), &seqs, plan.as_ref(), capture, n, pick, cache) {
+            Ok(out) => Ok(done(out)),
+            Err(e) => {
+                self.rollback(cache, &grow, &ranges);
+                Err(e)
+            }
+        }
+    }
+
+    /// The device part of a forward: embedding, decoder layers (K/V written at the plan's rows,
+    /// or per sequence without a plan), the captured features, and f32 logits of `picks` rows
+    /// (`pick` chooses them; `None` with `picks` > 0 means every row).
+    #[allow(clippy::too_many_arguments)]
+    fn body(
+        &self,
+        ids: Tensor<1, Int>,
+        rope: (&Tensor<2>, &Tensor<2>),
+        seqs: &[SeqRows],
+        plan: Option<&AttnPlan>,
+        capture: &[usize],
+        picks: usize,
+        pick: Option<Tensor<1, Int>>,
+        cache: &mut dyn KvCache,
+    ) -> Result<(Option<Tensor<2>>, Option<Tensor<2>>)> {
+        let mut x = self.embed_tokens.clone().select(0, ids);
         let mut captured: Vec<Option<Tensor<2>>> = vec![None; capture.len()];
         for (l, layer) in self.layers.iter().enumerate() {
-            x = match layer.forward(l, x, (&cos, &sin), &seqs, plan.as_ref(), cache) {
-                Ok(x) => x,
-                Err(e) => {
-                    self.rollback(cache, &grow, &ranges);
-                    return Err(e);
-                }
-            };
+            x = layer.forward(l, x, rope, seqs, plan, cache)?;
             for (slot, _) in capture.iter().enumerate().filter(|(_, id)| **id == l) {
                 captured[slot] = Some(x.clone());
             }
@@ -331,58 +405,97 @@ impl Qwen3 {
         } else {
             Some(Tensor::cat(captured.into_iter().flatten().collect(), 1))
         };
-        // 4. logits for the requested rows only: final norm, LM head, f32.
-        let mut pick = Vec::new();
-        let mut logit_rows = Vec::with_capacity(chunks.len());
-        for (chunk, s) in chunks.iter().zip(&seqs) {
-            let k = chunk.logits.count(s.rows.len());
-            let first = pick.len();
-            pick.extend((s.rows.end - k..s.rows.end).map(|r| r as i64));
-            logit_rows.push(first..first + k);
-        }
-        let logits = if pick.is_empty() {
-            None
-        } else {
-            let n = pick.len();
-            let rows = if n == total {
-                x
-            } else {
-                x.select(0, Tensor::<1, Int>::from_data(TensorData::new(pick, [n]), &self.device))
+        let logits = (picks > 0).then(|| {
+            let rows = match pick {
+                Some(pick) => x.select(0, pick),
+                None => x,
             };
             let h = rms_norm(rows, &self.norm, self.config.rms_norm_eps);
             let logits = self.head.apply(h);
-            Some(if self.dtype == ComputeDtype::F32 { logits } else { logits.cast(burn::tensor::DType::F32) })
-        };
-        Ok(ForwardOutput {
-            logits,
-            logit_rows,
-            features,
-            rows: seqs.iter().map(|s| s.rows.clone()).collect(),
-        })
+            if self.dtype == ComputeDtype::F32 { logits } else { logits.cast(burn::tensor::DType::F32) }
+        });
+        Ok((logits, features))
     }
 
-    /// The page tables of this forward for [`dspark_kernels::paged_attention`], when the kernels
-    /// run on this device and the cache keeps a pool; `None` makes every layer attend per
-    /// sequence instead. Row `i` of a sequence whose new rows start at position `start` sees
-    /// positions `0..=start + i` (causal).
-    fn attention_plan(&self, seqs: &[SeqRows], cache: &dyn KvCache) -> Result<Option<AttnPlan>> {
+    /// The forward as a replay of the graph recorded for its shape (recorded now when new), on
+    /// devices where graphs run and for at most [`super::graphs::MAX_GRAPH_ROWS`] rows. Its
+    /// outputs equal the op-by-op forward's bit for bit: the same body, reading the same values
+    /// from device buffers instead of fresh uploads.
+    fn forward_recorded(
+        &self,
+        tokens: &[i64],
+        positions: &[usize],
+        plan: HostPlan,
+        pick: &[i64],
+        capture: &[usize],
+        cache: &mut dyn KvCache,
+    ) -> Recorded {
+        let (rows, picks) = (tokens.len(), pick.len());
+        let (Some(id), Some(pool_rows)) = (cache.graph_id(), cache.pools(0).map(|(k, _)| k.dims()[0])) else {
+            return Recorded::No(plan);
+        };
+        if !super::graphs::recording(&self.device) {
+            return Recorded::No(plan);
+        }
+        let table_rows = self.config.max_position_embeddings;
+        if positions.iter().any(|&p| p >= table_rows) {
+            return Recorded::No(plan);
+        }
+        let (cos_t, sin_t) =
+            self.rope_table.get_or_init(|| self.rope.full_tables(table_rows, self.dtype, &self.device));
+        let mut ints = Vec::with_capacity(3 * rows + picks);
+        ints.extend_from_slice(tokens);
+        ints.extend(positions.iter().map(|&p| p as i64));
+        ints.extend_from_slice(&plan.new_rows);
+        let pick_rows = picks > 0 && picks < rows;
+        if pick_rows {
+            ints.extend_from_slice(pick);
+        }
+        let mut detail = vec![picks];
+        detail.extend_from_slice(capture);
+        let key = ShapeKey { rows, ints: ints.len(), detail };
+        let host = HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats: None };
+        let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
+            let ids = inputs.ints(0, rows);
+            let at = inputs.ints(rows, rows);
+            let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
+            let plan = inputs.plan(rows, 2 * rows);
+            let pick = pick_rows.then(|| inputs.ints(3 * rows, picks));
+            let (logits, features) =
+                self.body(ids, (&cos, &sin), &[], Some(&plan), capture, picks, pick, cache)?;
+            Ok(logits.into_iter().chain(features).collect())
+        });
+        match ran {
+            Ran::Replayed(mut outs) => {
+                let features = (!capture.is_empty()).then(|| outs.pop()).flatten();
+                let logits = (picks > 0).then(|| outs.pop()).flatten();
+                Recorded::Done(Box::new((logits, features)))
+            }
+            Ran::NotRecorded => Recorded::No(plan),
+            Ran::Failed(e) => Recorded::Failed(e),
+        }
+    }
+
+    /// The page tables of this forward for [`dspark_kernels::paged_attention`], on the host, when
+    /// the kernels run on this device and the cache keeps a pool; `None` makes every layer
+    /// attend per sequence instead. Row `i` of a sequence whose new rows start at position
+    /// `start` sees positions `0..=start + i` (causal).
+    fn host_plan(&self, seqs: &[SeqRows], cache: &dyn KvCache) -> Result<Option<HostPlan>> {
         let heads = self.config.num_attention_heads;
         if !cache.pools(0).is_some_and(|(k_pool, _)| dspark_kernels::paged_attention_runs(heads, &k_pool)) {
             return Ok(None);
         }
-        let mut keys: Vec<i32> = Vec::new();
-        let mut meta: Vec<i32> = Vec::new();
-        let mut new_rows: Vec<i64> = Vec::new();
+        let mut plan = HostPlan::default();
         for s in seqs {
-            let first = keys.len();
+            let first = plan.keys.len();
             let rows = cache.physical_rows(s.seq, s.start + s.rows.len())?;
-            new_rows.extend_from_slice(&rows[s.start..]);
-            keys.extend(rows.into_iter().map(|r| r as i32));
+            plan.new_rows.extend_from_slice(&rows[s.start..]);
+            plan.keys.extend(rows.into_iter().map(|r| r as i32));
             for i in 0..s.rows.len() {
-                meta.extend([first as i32, (s.start + i + 1) as i32]);
+                plan.meta.extend([first as i32, (s.start + i + 1) as i32]);
             }
         }
-        Ok(Some(AttnPlan::upload(keys, meta, new_rows, &self.device)))
+        Ok(Some(plan))
     }
 
     fn rollback(&self, cache: &mut dyn KvCache, grow: &[(SeqId, usize)], ranges: &[Range<usize>]) {
@@ -392,4 +505,29 @@ impl Qwen3 {
             }
         }
     }
+}
+
+/// Page tables of one forward on the host (see [`AttnPlan`]).
+#[derive(Debug, Default)]
+pub(crate) struct HostPlan {
+    pub keys: Vec<i32>,
+    pub meta: Vec<i32>,
+    pub new_rows: Vec<i64>,
+}
+
+impl HostPlan {
+    /// The tables on `device`, for a forward run op by op.
+    pub(crate) fn upload(self, device: &Device) -> AttnPlan {
+        AttnPlan::upload(self.keys, self.meta, self.new_rows, device)
+    }
+}
+
+/// What [`Qwen3::forward_recorded`] did.
+enum Recorded {
+    /// Replayed: logits and features.
+    Done(Box<(Option<Tensor<2>>, Option<Tensor<2>>)>),
+    /// The body failed while being recorded.
+    Failed(Error),
+    /// Not recorded: run op by op with this plan.
+    No(HostPlan),
 }

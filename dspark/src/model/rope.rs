@@ -47,4 +47,16 @@ impl Rope {
         };
         (make(cos), make(sin))
     }
+
+    /// The tables of positions `0..positions`, for forwards that pick their rows on the device
+    /// (recorded forwards): row `p` equals row 0 of `tables(&[p])`, bit for bit.
+    pub fn full_tables(
+        &self,
+        positions: usize,
+        dtype: ComputeDtype,
+        device: &Device,
+    ) -> (Tensor<2>, Tensor<2>) {
+        let all: Vec<usize> = (0..positions).collect();
+        crate::device::persistent(device, (), |()| self.tables(&all, dtype, device))
+    }
 }

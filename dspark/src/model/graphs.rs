@@ -1,0 +1,271 @@
+//! Recorded forwards: the device inputs a captured forward reads, and the graphs of one model
+//! per launch shape (see [`dspark_kernels::graph`]).
+//!
+//! A model that records its forwards keeps two input buffers on the device, written in place
+//! before every replay: `ints` (burn's index dtype: token ids, positions, K/V rows, picked
+//! rows) and `tables` (i32: `[first, len]` per query row, then the page table of every row's
+//! keys).
+//! Their lengths are fixed when the first graph is recorded (the page table holds every row of
+//! the cache's pool, which bounds the keys of any batch), so every graph of the model reads the
+//! same buffers, each through views of the lengths its shape needs.
+//!
+//! Graphs are kept per shape and bound to one cache (its pools are what they write): a forward
+//! through another cache drops them all and records anew. A shape is recorded the second time
+//! it is seen, and a model keeps at most [`MAX_GRAPHS`]; other shapes run op by op. A shape whose
+//! recording fails is remembered and runs op by op from then on; the failure is logged once.
+
+use std::collections::HashMap;
+
+use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
+use dspark_kernels::{DeviceGraph, GraphError};
+
+use super::layer::AttnPlan;
+
+/// The largest number of rows a recorded forward has; wider ones (prefill) run op by op, where
+/// launch costs are small beside the work.
+pub(crate) const MAX_GRAPH_ROWS: usize = 64;
+
+/// Most graphs one model keeps. Each holds the pages its launches touched for its life (45–105
+/// MiB each for Qwen3-8B shapes on the H200, measured), so a many-lane workload whose row counts
+/// vary from round to round would otherwise record one graph per count; shapes past the limit
+/// run op by op.
+pub(crate) const MAX_GRAPHS: usize = 16;
+
+/// A shape is recorded the second time it is seen: one-off shapes (a prefill tail, a lane
+/// leaving) do not take a graph's memory.
+const RECORD_AFTER: u32 = 2;
+
+/// Host values of one forward's device inputs, laid out as the recorded body reads them.
+#[derive(Debug, Default)]
+pub(crate) struct HostInputs {
+    /// Index-dtype values: sections in the order the body reads them.
+    pub ints: Vec<i64>,
+    /// i32 page table of the keys (at most the pool's rows).
+    pub keys: Vec<i32>,
+    /// i32 `[first, len]` per query row.
+    pub meta: Vec<i32>,
+    /// A float input already on the device (`[rows, width]`, the model's dtype), copied into
+    /// the shared float buffer.
+    pub floats: Option<Tensor<2>>,
+}
+
+/// The device inputs of one forward, as views of the shared buffers.
+#[derive(Debug, Clone)]
+pub(crate) struct DeviceInputs {
+    ints: Tensor<1, Int>,
+    tables: Tensor<1, Int>,
+    keys_cap: usize,
+    floats: Option<Tensor<1>>,
+}
+
+impl DeviceInputs {
+    /// `len` index-dtype values from `offset`.
+    pub fn ints(&self, offset: usize, len: usize) -> Tensor<1, Int> {
+        self.ints.clone().narrow(0, offset, len)
+    }
+
+    /// The float input as `[rows, width]`.
+    pub fn floats(&self, rows: usize, width: usize) -> Option<Tensor<2>> {
+        self.floats.as_ref().map(|f| f.clone().narrow(0, 0, rows * width).reshape([rows, width]))
+    }
+
+    /// The page tables of `rows` query rows, and `new_rows` (index dtype, at `offset` of
+    /// `ints`, `rows` of them) where their K/V go.
+    pub fn plan(&self, rows: usize, new_rows_offset: usize) -> AttnPlan {
+        AttnPlan {
+            keys: self.tables.clone().narrow(0, 2 * MAX_GRAPH_ROWS, self.keys_cap),
+            meta: self.tables.clone().narrow(0, 0, 2 * rows).reshape([rows, 2]),
+            new_rows: self.ints(new_rows_offset, rows),
+        }
+    }
+}
+
+/// The launch shape of a recorded forward (its input lengths and output choices).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) struct ShapeKey {
+    /// Query rows.
+    pub rows: usize,
+    /// Index-dtype inputs used.
+    pub ints: usize,
+    /// Whatever else fixes the launches (logit rows, captured layers, the draft's lanes…).
+    pub detail: Vec<usize>,
+}
+
+enum Entry {
+    Ready { graph: DeviceGraph, outputs: Vec<Tensor<2>> },
+    Failed,
+}
+
+struct Bound {
+    cache: u64,
+    ints: Tensor<1, Int>,
+    tables: Tensor<1, Int>,
+    ints_cap: usize,
+    keys_cap: usize,
+    /// The float input buffer, `[MAX_GRAPH_ROWS · width]`, made for the first float input.
+    floats: Option<Tensor<1>>,
+    graphs: HashMap<ShapeKey, Entry>,
+    /// Times each shape not yet recorded was seen.
+    seen: HashMap<ShapeKey, u32>,
+}
+
+/// The recorded forwards of one model.
+#[derive(Default)]
+pub(crate) struct Graphs {
+    bound: std::sync::Mutex<Option<Bound>>,
+}
+
+impl std::fmt::Debug for Graphs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let count = self.bound.lock().map(|b| b.as_ref().map_or(0, |b| b.graphs.len())).unwrap_or(0);
+        f.debug_struct("Graphs").field("shapes", &count).finish()
+    }
+}
+
+/// What [`Graphs::run`] did.
+pub(crate) enum Ran<E> {
+    /// The outputs of the replay (copies, so a later replay does not overwrite them).
+    Replayed(Vec<Tensor<2>>),
+    /// This shape is not recorded (recording failed earlier, or graphs are off): run op by op.
+    NotRecorded,
+    /// The body failed during the recording's warm-up.
+    Failed(E),
+}
+
+/// Whether forwards on `device` take the recorded path: graphs run there, or are emulated
+/// (see [`dspark_kernels::set_graph_emulation`]).
+pub(crate) fn recording(device: &Device) -> bool {
+    dspark_kernels::graphs_available(device) || dspark_kernels::graph_emulation()
+}
+
+impl Graphs {
+    /// Write `host` into the device inputs and run the recorded forward of `key` (recording it
+    /// first when new): `body` computes the forward from the device inputs and returns its
+    /// outputs. `cache` is the identity of the cache the body writes, `pool_rows` its rows.
+    ///
+    /// # Safety contract (kept here)
+    /// Graphs live as long as the model; the buffers they read are the model's weights, the
+    /// inputs held here, and the pools of the bound cache, which the cache never moves. A
+    /// forward through another cache drops the graphs first.
+    pub fn run<E>(
+        &self,
+        device: &Device,
+        cache: u64,
+        pool_rows: usize,
+        key: ShapeKey,
+        host: HostInputs,
+        mut body: impl FnMut(&DeviceInputs) -> Result<Vec<Tensor<2>>, E>,
+    ) -> Ran<E> {
+        if !recording(device) || key.rows > MAX_GRAPH_ROWS || key.ints > 4 * MAX_GRAPH_ROWS {
+            return Ran::NotRecorded;
+        }
+        let Ok(mut guard) = self.bound.lock() else {
+            return Ran::NotRecorded;
+        };
+        if guard.as_ref().is_none_or(|b| b.cache != cache || b.keys_cap < pool_rows) {
+            // New inputs and no graphs: the old graphs (and the pages they hold) go first.
+            *guard = None;
+            let ints_cap = 4 * MAX_GRAPH_ROWS;
+            let keys_cap = pool_rows;
+            let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+            let (ints, tables) = crate::device::persistent(device, (), |()| {
+                let ints = Tensor::zeros([ints_cap], device);
+                (ints, Tensor::zeros([keys_cap + 2 * MAX_GRAPH_ROWS], i32s.clone()))
+            });
+            *guard = Some(Bound {
+                cache,
+                ints,
+                tables,
+                ints_cap,
+                keys_cap,
+                floats: None,
+                graphs: HashMap::new(),
+                seen: HashMap::new(),
+            });
+        }
+        let Some(bound) = guard.as_mut() else {
+            return Ran::NotRecorded;
+        };
+        if !bound.graphs.contains_key(&key) {
+            let seen = bound.seen.entry(key.clone()).or_insert(0);
+            *seen += 1;
+            let ready = bound.graphs.values().filter(|e| matches!(e, Entry::Ready { .. })).count();
+            if *seen < RECORD_AFTER || ready >= MAX_GRAPHS {
+                return Ran::NotRecorded;
+            }
+            bound.seen.remove(&key);
+        }
+        if matches!(bound.graphs.get(&key), Some(Entry::Failed))
+            || host.ints.len() > bound.ints_cap
+            || host.keys.len() > bound.keys_cap
+            || host.meta.len() > 2 * MAX_GRAPH_ROWS
+        {
+            return Ran::NotRecorded;
+        }
+        // 1. the inputs, in place.
+        let n = host.ints.len();
+        let ints = Tensor::<1, Int>::from_data(TensorData::new(host.ints, [n]), device);
+        bound.ints = dspark_kernels::write_into(bound.ints.clone(), ints);
+        // Only the keys in use are written; the rest of the table is never read.
+        let mut table = host.meta;
+        table.resize(2 * MAX_GRAPH_ROWS, 0);
+        table.extend_from_slice(&host.keys);
+        let len = table.len();
+        let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+        let tables = Tensor::<1, Int>::from_data(TensorData::new(table, [len]), i32s);
+        bound.tables = dspark_kernels::write_into(bound.tables.clone(), tables);
+        if let Some(f) = host.floats {
+            let [rows, width] = f.dims();
+            let buffer = bound.floats.get_or_insert_with(|| {
+                let opts = TensorCreationOptions::new(device.clone()).with_dtype(f.dtype());
+                crate::device::persistent(device, (), |()| {
+                    Tensor::zeros([MAX_GRAPH_ROWS * width], opts.clone())
+                })
+            });
+            if rows * width > buffer.dims()[0] || buffer.dtype() != f.dtype() {
+                return Ran::NotRecorded;
+            }
+            *buffer = dspark_kernels::write_floats_into(buffer.clone(), f.reshape([rows * width]));
+        }
+        let inputs = DeviceInputs {
+            ints: bound.ints.clone(),
+            tables: bound.tables.clone(),
+            keys_cap: bound.keys_cap,
+            floats: bound.floats.clone(),
+        };
+        // 2. the graph: replay, or record and replay (emulated: the body, every time).
+        if !dspark_kernels::graphs_available(device) {
+            return match body(&inputs) {
+                Ok(outputs) => Ran::Replayed(outputs),
+                Err(e) => Ran::Failed(e),
+            };
+        }
+        if !bound.graphs.contains_key(&key) {
+            match DeviceGraph::capture(device, || body(&inputs)) {
+                Ok(Ok((graph, outputs))) => {
+                    tracing::debug!(?key, "recorded a device graph");
+                    bound.graphs.insert(key.clone(), Entry::Ready { graph, outputs });
+                }
+                Ok(Err(e)) => return Ran::Failed(e),
+                Err(GraphError::Unsupported) => return Ran::NotRecorded,
+                Err(e) => {
+                    tracing::warn!(?key, error = %e, "could not record this forward; it runs op by op");
+                    bound.graphs.insert(key, Entry::Failed);
+                    return Ran::NotRecorded;
+                }
+            }
+        }
+        let Some(Entry::Ready { graph, outputs }) = bound.graphs.get(&key) else {
+            return Ran::NotRecorded;
+        };
+        // SAFETY: see this function's safety contract: every buffer the graph touches is held
+        // by the model, by `bound`, or by the bound cache, and the inputs were written on this
+        // device's stream just above.
+        if let Err(e) = unsafe { graph.replay() } {
+            tracing::warn!(?key, error = %e, "a device graph would not replay; this forward runs op by op");
+            bound.graphs.insert(key, Entry::Failed);
+            return Ran::NotRecorded;
+        }
+        Ran::Replayed(outputs.iter().map(|t| dspark_kernels::graph::fresh_copy(t.clone())).collect())
+    }
+}

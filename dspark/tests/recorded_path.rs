@@ -1,0 +1,66 @@
+//! The recorded path of the models (the one CUDA graphs replay: every per-step value read from
+//! device input buffers written in place, rotary rows picked on the device, a greedy draft round
+//! from the block forward to the Markov tokens with one read), exercised on the CPU by running
+//! the recorded body on every call (`dspark_kernels::set_graph_emulation`) over the page-table
+//! path (`set_paged_reference`). Both switches are process-wide, so this file holds one test
+//! that runs its checks in turn.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::{checks, heldout_prompts, models};
+use dspark::{
+    ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, LoadOptions, Qwen3,
+    Request, SamplingParams,
+};
+
+#[test]
+fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
+    dspark_kernels::set_paged_reference(true);
+    let requests: Vec<Request> = heldout_prompts(4)
+        .into_iter()
+        .map(|prompt| Request { prompt, params: SamplingParams::greedy(48) })
+        .collect();
+    let load = || Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap();
+    let spec_engine = || {
+        let target = load();
+        let mut draft = DSparkDraft::load(
+            &models().join("tiny-code-dspark"),
+            &target,
+            LoadOptions::default(),
+            &DraftCacheConfig::default(),
+        )
+        .unwrap();
+        assert!(draft.set_device_markov(true), "the trained draft's head runs on the device pass");
+        Engine::with_draft(target, Box::new(draft), &EngineConfig::default()).unwrap()
+    };
+
+    // 1. Op by op: target-only and speculative (device Markov pass).
+    dspark_kernels::set_graph_emulation(false);
+    let base = Engine::new(load(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
+    let op_by_op = spec_engine().generate(&requests).unwrap();
+
+    // 2. Recorded: the golden target token for token, then both engines again.
+    dspark_kernels::set_graph_emulation(true);
+    let diverged = checks::greedy_divergence(DeviceKind::Cpu, ComputeDtype::F32, false);
+    assert!(diverged.iter().all(Option::is_none), "first divergence per prompt: {diverged:?}");
+    let plain = Engine::new(load(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
+    let mut spec = spec_engine();
+    let recorded = spec.generate(&requests).unwrap();
+    dspark_kernels::set_graph_emulation(false);
+    dspark_kernels::set_paged_reference(false);
+
+    let (mut generated, mut rounds) = (0, 0);
+    for (i, ((r, o), (p, b))) in recorded.iter().zip(&op_by_op).zip(plain.iter().zip(&base)).enumerate() {
+        assert_eq!(p.tokens, b.tokens, "prompt {i}: recorded target-only differs from op by op");
+        assert_eq!(r.tokens, b.tokens, "prompt {i}: recorded speculative differs from target-only");
+        // The same proposals, so the same rounds: the recorded round is the op-by-op round.
+        assert_eq!(r.stats.rounds, o.stats.rounds, "prompt {i}: rounds differ from the op-by-op round");
+        generated += r.tokens.len() - 1;
+        rounds += r.stats.rounds;
+    }
+    eprintln!("trained pair, recorded path: tau {:.3}", generated as f64 / rounds as f64);
+    assert!(rounds < generated, "the draft was accepted at least sometimes");
+    let pool = spec.draft_pool();
+    assert!(pool.is_some_and(|p| p.free_pages == p.total_pages), "draft pages all returned: {pool:?}");
+}
