@@ -7,6 +7,7 @@
 //! - the draft's context extension by 4 committed rows (fc, hidden norm, K/V of every draft
 //!   layer), and a full proposal — block forward, LM-head rows, Markov loop, confidence, and `q`
 //!   when sampling — greedy and at temperature 1;
+//! - with `--graphs on,off`, all of it with recorded CUDA graphs and op by op;
 //! - the speedup over target-only these times imply at acceptance τ:
 //!   `τ · step / (extend + propose + verify)`.
 //!
@@ -62,6 +63,10 @@ struct Args {
     /// base logits).
     #[arg(long, value_delimiter = ',', default_value = "bf16")]
     weights: Vec<String>,
+    /// Launch modes to time, each a table row per layout and weights: `on` (forwards, draft
+    /// rounds and context extensions replayed as recorded CUDA graphs) or `off` (op by op).
+    #[arg(long, value_delimiter = ',', default_value = "on")]
+    graphs: Vec<String>,
     /// Acceptance lengths τ at which to report the implied speedup.
     #[arg(long, value_delimiter = ',', default_value = "3.35,6.0")]
     tau: Vec<f64>,
@@ -139,14 +144,11 @@ fn main() -> dspark::Result<()> {
         let _ = ids.into_data();
         cache.truncate(seq, len)
     };
-    let one_row = time(&device, args.warmup, args.reps, || step(&[11]))?;
-    eprintln!("target one-row step {:.2} ms", one_row * 1e3);
-    memory_at("target steps", &meter, &device);
 
     let mut header = String::from(
-        "| device | dtype | draft | γ | weights | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
+        "| device | dtype | draft | γ | weights | graphs | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
     );
-    let mut rule = String::from("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rule = String::from("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for tau in &args.tau {
         header.push_str(&format!(" implied speedup τ={tau} |"));
         rule.push_str("---|");
@@ -157,92 +159,110 @@ fn main() -> dspark::Result<()> {
             return Err(dspark::Error::InvalidInput(format!("--weights {w:?}: expected bf16, fp8 or fp8h")));
         }
     }
-    for (spec, weights) in args.layouts.iter().flat_map(|l| args.weights.iter().map(move |w| (l, w))) {
-        let confidence = spec.ends_with('c');
-        let gamma: usize = spec
-            .trim_end_matches('c')
-            .parse()
-            .map_err(|_| dspark::Error::InvalidInput(format!("layout {spec:?}: want e.g. 7c or 16")))?;
-        let mut draft_config = shapes::dspark(&args.shape, &config);
-        draft_config.block_size = gamma;
-        draft_config.enable_confidence_head = confidence;
-        let window: Vec<u32> = (0..=gamma as u32).map(|i| (101 + 7 * i) % vocab).collect();
-        let verify = time(&device, args.warmup, args.reps, || step(&window))?;
-        memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
-        let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
-        let t = Instant::now();
-        let mut draft = if weights == "bf16" {
-            DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?
-        } else {
-            // Drawn and quantised on the host: no bf16 copy on the device (as an FP8 checkpoint).
-            let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
-            DSparkDraft::random_quantized(draft_config, TargetBinding::of(&target), &cache_config, fp8, 1)?
-        };
-        if weights != "bf16" {
-            if weights == "fp8h" {
-                draft.quantize_lm_head()?;
-            }
-            eprintln!(
-                "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8",
-                t.elapsed().as_secs_f64(),
-                draft.fp8_on_device()
-            );
+    for mode in &args.graphs {
+        if !["on", "off"].contains(&mode.as_str()) {
+            return Err(dspark::Error::InvalidInput(format!("--graphs {mode:?}: expected on or off")));
         }
-        let width = draft.feature_layers().len() * config.hidden_size;
-        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
-        let features =
-            |rows: usize| Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), opts.clone());
-        memory_at(&format!("building the {spec} {weights} draft"), &meter, &device);
-        let dseq = draft.begin();
-        draft.extend_context(dseq, features(args.context))?;
-        memory_at("the first context extension", &meter, &device);
-        // Extension by 4 rows, undone by truncating the draft's context (`end` + `begin` would
-        // also do, but this keeps the context length fixed for the proposals).
-        let extend = {
-            let mut times = Vec::new();
-            for i in 0..args.warmup + args.reps {
-                let f = features(4);
-                sync(&device);
-                let t = Instant::now();
-                draft.extend_context(dseq, f)?;
-                sync(&device);
-                if i >= args.warmup {
-                    times.push(t.elapsed().as_secs_f64());
+    }
+    for mode in &args.graphs {
+        dspark_kernels::set_graphs_enabled(mode == "on");
+        let one_row = time(&device, args.warmup, args.reps, || step(&[11]))?;
+        eprintln!("graphs {mode}: target one-row step {:.2} ms", one_row * 1e3);
+        memory_at("target steps", &meter, &device);
+        for (spec, weights) in args.layouts.iter().flat_map(|l| args.weights.iter().map(move |w| (l, w))) {
+            let confidence = spec.ends_with('c');
+            let gamma: usize = spec
+                .trim_end_matches('c')
+                .parse()
+                .map_err(|_| dspark::Error::InvalidInput(format!("layout {spec:?}: want e.g. 7c or 16")))?;
+            let mut draft_config = shapes::dspark(&args.shape, &config);
+            draft_config.block_size = gamma;
+            draft_config.enable_confidence_head = confidence;
+            let window: Vec<u32> = (0..=gamma as u32).map(|i| (101 + 7 * i) % vocab).collect();
+            let verify = time(&device, args.warmup, args.reps, || step(&window))?;
+            memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
+            let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
+            let t = Instant::now();
+            let mut draft = if weights == "bf16" {
+                DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?
+            } else {
+                // Drawn and quantised on the host: no bf16 copy on the device (as an FP8 checkpoint).
+                let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
+                DSparkDraft::random_quantized(
+                    draft_config,
+                    TargetBinding::of(&target),
+                    &cache_config,
+                    fp8,
+                    1,
+                )?
+            };
+            if weights != "bf16" {
+                if weights == "fp8h" {
+                    draft.quantize_lm_head()?;
                 }
+                eprintln!(
+                    "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8",
+                    t.elapsed().as_secs_f64(),
+                    draft.fp8_on_device()
+                );
             }
-            median(times)
-        };
-        let greedy = SamplingParams::greedy(gamma);
-        let sampled = SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy(gamma) };
-        let mut propose = |params: &SamplingParams| -> dspark::Result<f64> {
-            let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
-            time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))
-        };
-        let p_greedy = propose(&greedy)?;
-        memory_at("greedy proposals", &meter, &device);
-        let p_sampled = propose(&sampled)?;
-        memory_at("sampled proposals", &meter, &device);
-        let round = extend + p_greedy + verify;
-        let mut row = format!(
-            "| {} | {} | {} | {gamma} | {weights} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            args.device,
-            dtype,
-            if confidence { "confidence" } else { "no confidence" },
-            draft.weight_bytes() as f64 / (1 << 20) as f64,
-            one_row * 1e3,
-            verify * 1e3,
-            verify / one_row,
-            extend * 1e3,
-            p_greedy * 1e3,
-            p_sampled * 1e3,
-            round * 1e3
-        );
-        for tau in &args.tau {
-            row.push_str(&format!(" {:.2}× |", tau * one_row / round));
+            let width = draft.feature_layers().len() * config.hidden_size;
+            let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+            let features = |rows: usize| {
+                Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), opts.clone())
+            };
+            memory_at(&format!("building the {spec} {weights} draft"), &meter, &device);
+            let dseq = draft.begin();
+            draft.extend_context(dseq, features(args.context))?;
+            memory_at("the first context extension", &meter, &device);
+            // Extension by 4 rows, undone by truncating the draft's context (`end` + `begin` would
+            // also do, but this keeps the context length fixed for the proposals).
+            let extend = {
+                let mut times = Vec::new();
+                for i in 0..args.warmup + args.reps {
+                    let f = features(4);
+                    sync(&device);
+                    let t = Instant::now();
+                    draft.extend_context(dseq, f)?;
+                    sync(&device);
+                    if i >= args.warmup {
+                        times.push(t.elapsed().as_secs_f64());
+                    }
+                }
+                median(times)
+            };
+            let greedy = SamplingParams::greedy(gamma);
+            let sampled = SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy(gamma) };
+            let mut propose = |params: &SamplingParams| -> dspark::Result<f64> {
+                let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
+                time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))
+            };
+            let p_greedy = propose(&greedy)?;
+            memory_at("greedy proposals", &meter, &device);
+            let p_sampled = propose(&sampled)?;
+            memory_at("sampled proposals", &meter, &device);
+            let round = extend + p_greedy + verify;
+            let mut row = format!(
+                "| {} | {} | {} | {gamma} | {weights} | {mode} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                args.device,
+                dtype,
+                if confidence { "confidence" } else { "no confidence" },
+                draft.weight_bytes() as f64 / (1 << 20) as f64,
+                one_row * 1e3,
+                verify * 1e3,
+                verify / one_row,
+                extend * 1e3,
+                p_greedy * 1e3,
+                p_sampled * 1e3,
+                round * 1e3
+            );
+            for tau in &args.tau {
+                row.push_str(&format!(" {:.2}× |", tau * one_row / round));
+            }
+            println!("{row}");
+            eprintln!("{row}");
+            draft.end(dseq)?;
         }
-        println!("{row}");
-        eprintln!("{row}");
-        draft.end(dseq)?;
     }
     let _ = meter.finish(0, &device);
     Ok(())

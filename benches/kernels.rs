@@ -45,6 +45,13 @@ struct Args {
     /// Bytes the rotating weight copies must exceed (2× the H200's 50 MB L2 by default).
     #[arg(long, default_value_t = 100 << 20)]
     rotate_bytes: usize,
+    /// Also time the small kernels of one decoder layer (norms, q/k norm + RoPE, SwiGLU, paged
+    /// attention over `--context` keys), each recorded in a graph, at 1 and 8 rows.
+    #[arg(long)]
+    anatomy: bool,
+    /// Context length of the attention in `--anatomy`.
+    #[arg(long, default_value_t = 512)]
+    context: usize,
 }
 
 /// `(name, in, out)` of each weight.
@@ -89,6 +96,30 @@ fn time_calls(x: &Tensor<2>, weights: &[Tensor<2>], iters: usize, device: &Devic
 }
 
 /// Random e4m3 bytes (every finite code; NaN codes replaced by zero) and per-row scales.
+/// Device time per call: `iters` calls recorded as one CUDA graph, replayed `reps` times (the
+/// host launch cost is gone, so this is the kernel's own time plus the graph's gap between
+/// launches). `None` where no graph is recorded.
+fn time_graphed(mut call: impl FnMut(usize) -> Tensor<2>, iters: usize, device: &Device) -> Option<f64> {
+    let (graph, outputs) = dspark_kernels::DeviceGraph::capture(device, || {
+        Ok::<_, ()>((0..iters).map(&mut call).collect::<Vec<_>>())
+    })
+    .ok()?
+    .ok()?;
+    let reps = 5;
+    // SAFETY: the graph reads `x` and the weights (borrowed by `call`, alive for this function)
+    // and writes `outputs`, held until the replays are synchronised below.
+    unsafe { graph.replay() }.ok()?;
+    sync(device);
+    let start = Instant::now();
+    for _ in 0..reps {
+        // SAFETY: as above.
+        unsafe { graph.replay() }.ok()?;
+    }
+    sync(device);
+    drop(outputs);
+    Some(start.elapsed().as_secs_f64() / (reps * iters) as f64)
+}
+
 fn random_fp8(out: usize, inp: usize, seed: u64, device: &Device) -> dspark_kernels::Fp8Matrix {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = || {
@@ -134,9 +165,9 @@ fn time_fp8(x: &Tensor<2>, weights: &[dspark_kernels::Fp8Matrix], iters: usize, 
 fn fp8_table(args: &Args, device: &Device) {
     println!("\n# Skinny GEMM with FP8 (e4m3, per-row scales) weights, bf16 activations\n");
     println!(
-        "| matrix | in | out | FP8 MB | rows | bf16 kernel µs | FP8 kernel µs | bf16 TB/s | FP8 TB/s | FP8 vs bf16 | max rel diff vs plain burn |"
+        "| matrix | in | out | FP8 MB | rows | bf16 kernel µs | FP8 kernel µs | bf16 TB/s | FP8 TB/s | FP8 vs bf16 | max rel diff vs plain burn | graphed bf16 µs | graphed FP8 µs | graphed FP8 TB/s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, inp, out) in matrices(&args.shape) {
         let bytes = inp * out;
         let copies = args.rotate_bytes.div_ceil(bytes).clamp(1, 16);
@@ -148,22 +179,92 @@ fn fp8_table(args: &Args, device: &Device) {
             let bf16 = time_calls(&x, &dense, args.iters, device);
             let kernel = time_fp8(&x, &fp8, args.iters, device);
             let got = dspark_kernels::linear_fp8(x.clone(), &fp8[0]);
-            let want = dspark_kernels::reference::linear_fp8(x, &fp8[0]);
+            let want = dspark_kernels::reference::linear_fp8(x.clone(), &fp8[0]);
             let diff = max_rel_diff(got, want);
+            let g_bf16 = time_graphed(
+                |i| dspark_kernels::linear(x.clone(), &dense[i % dense.len()]),
+                args.iters,
+                device,
+            );
+            let g_fp8 = time_graphed(
+                |i| dspark_kernels::linear_fp8(x.clone(), &fp8[i % fp8.len()]),
+                args.iters,
+                device,
+            );
+            let us = |g: Option<f64>| g.map_or("—".into(), |g| format!("{:.1}", g * 1e6));
             println!(
-                "| {name} | {inp} | {out} | {:.1} | {rows} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}× | {diff:.1e} |",
+                "| {name} | {inp} | {out} | {:.1} | {rows} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}× | {diff:.1e} | {} | {} | {} |",
                 bytes as f64 / 1e6,
                 bf16 * 1e6,
                 kernel * 1e6,
                 2.0 * bytes as f64 / bf16 / 1e12,
                 bytes as f64 / kernel / 1e12,
                 bf16 / kernel,
+                us(g_bf16),
+                us(g_fp8),
+                g_fp8.map_or("—".into(), |g| format!("{:.2}", bytes as f64 / g / 1e12)),
             );
         }
     }
 }
 
 /// Largest |a − b| over the largest |b|.
+/// One timed call of [`anatomy`].
+type Call<'a> = Box<dyn FnMut(usize) -> Tensor<2> + 'a>;
+
+/// Device time of each small kernel of a Qwen3-8B decoder layer, recorded in graphs.
+fn anatomy(args: &Args, device: &Device) {
+    use burn::tensor::{Int, TensorData};
+    println!("\n# Small kernels of one decoder layer (Qwen3-8B shapes), device time per call in a graph\n");
+    println!("| kernel | rows | graphed µs | × 36 layers µs |");
+    println!("|---|---:|---:|---:|");
+    let (hidden, heads, kv_heads, head_dim, inter) = (4096, 32, 8, 128, 12_288);
+    let w = random(1, hidden, 1.0, device).reshape([hidden]);
+    let wh = random(1, head_dim, 1.0, device).reshape([head_dim]);
+    let pool_rows = args.context.max(1) + 64;
+    let k_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
+    let v_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
+    for rows in [1usize, 8] {
+        let x = random(rows, hidden, 1.0, device);
+        let qkv = random(rows, (heads + 2 * kv_heads) * head_dim, 1.0, device);
+        let cos = random(rows, head_dim, 1.0, device);
+        let sin = random(rows, head_dim, 1.0, device);
+        let gu = random(rows, 2 * inter, 1.0, device);
+        let q = random(rows, heads * head_dim, 1.0, device).reshape([rows, heads, head_dim]);
+        let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+        let context = args.context;
+        let keys: Vec<i32> = (0..(context + rows) as i32).collect();
+        let meta: Vec<i32> = (0..rows).flat_map(|r| [0, (context + r + 1) as i32]).collect();
+        let keys = Tensor::<1, Int>::from_data(TensorData::new(keys, [context + rows]), i32s.clone());
+        let meta = Tensor::<2, Int>::from_data(TensorData::new(meta, [rows, 2]), i32s);
+        let cases: Vec<(&str, Call<'_>)> = vec![
+            ("rms_norm", Box::new(|_| dspark_kernels::rms_norm_rows(x.clone(), &w, 1e-6))),
+            ("add + rms_norm", Box::new(|_| dspark_kernels::add_rms_norm(x.clone(), x.clone(), &w, 1e-6).1)),
+            (
+                "q norm + RoPE",
+                Box::new(|_| {
+                    dspark_kernels::qk_norm_rope(qkv.clone(), 0, heads, head_dim, &wh, &cos, &sin, 1e-6)
+                        .reshape([rows, heads * head_dim])
+                }),
+            ),
+            ("SwiGLU", Box::new(|_| dspark_kernels::swiglu_cols(gu.clone(), gu.clone(), 0, inter, inter))),
+            (
+                "paged attention",
+                Box::new(|_| {
+                    dspark_kernels::paged_attention(q.clone(), &k_pool, &v_pool, &keys, &meta)
+                        .reshape([rows, heads * head_dim])
+                }),
+            ),
+        ];
+        for (name, call) in cases {
+            let t = time_graphed(call, args.iters, device);
+            let us = t.map_or("—".into(), |t| format!("{:.1}", t * 1e6));
+            let layers = t.map_or("—".into(), |t| format!("{:.0}", t * 1e6 * 36.0));
+            println!("| {name} | {rows} | {us} | {layers} |");
+        }
+    }
+}
+
 fn max_rel_diff(a: Tensor<2>, b: Tensor<2>) -> f32 {
     let a = a.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
     let b = b.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
@@ -201,9 +302,9 @@ fn main() {
         floor_plain * 1e6
     );
     println!(
-        "| matrix | in | out | MB | rows | plain burn µs | kernel µs | plain TB/s | kernel TB/s | kernel speedup | max rel diff |"
+        "| matrix | in | out | MB | rows | plain burn µs | kernel µs | plain TB/s | kernel TB/s | kernel speedup | max rel diff | graphed kernel µs | graphed TB/s |"
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, inp, out) in matrices(&args.shape) {
         let bytes = inp * out * 2;
         let copies = args.rotate_bytes.div_ceil(bytes).clamp(1, 16);
@@ -218,18 +319,28 @@ fn main() {
             let got = dspark_kernels::linear(x.clone(), &weights[0]);
             let diff = max_rel_diff(got, want);
             let tbs = |s: f64| bytes as f64 / s / 1e12;
+            let graphed = time_graphed(
+                |i| dspark_kernels::linear(x.clone(), &weights[i % weights.len()]),
+                args.iters,
+                &device,
+            );
             println!(
-                "| {name} | {inp} | {out} | {:.1} | {rows} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}× | {diff:.1e} |",
+                "| {name} | {inp} | {out} | {:.1} | {rows} | {:.1} | {:.1} | {:.2} | {:.2} | {:.2}× | {diff:.1e} | {} | {} |",
                 bytes as f64 / 1e6,
                 plain * 1e6,
                 kernel * 1e6,
                 tbs(plain),
                 tbs(kernel),
                 plain / kernel,
+                graphed.map_or("—".into(), |g| format!("{:.1}", g * 1e6)),
+                graphed.map_or("—".into(), |g| format!("{:.2}", tbs(g))),
             );
         }
     }
     if args.fp8 {
         fp8_table(&args, &device);
+    }
+    if args.anatomy {
+        anatomy(&args, &device);
     }
 }
