@@ -66,6 +66,9 @@ struct ModelArgs {
     /// KV cache budget in MiB.
     #[arg(long, default_value_t = 1024)]
     kv_budget_mib: usize,
+    /// Run every forward op by op instead of replaying recorded CUDA graphs (same output).
+    #[arg(long)]
+    no_graphs: bool,
 }
 
 #[derive(Args)]
@@ -185,6 +188,7 @@ fn load_speculative(
     quiet: bool,
 ) -> dspark::Result<Engine> {
     let cost_table = cost_table.map(dspark::engine::schedule::CostTable::load).transpose()?;
+    dspark::set_graphs_enabled(!model.no_graphs);
     let device: DeviceKind = model.device.parse()?;
     let dtype: ComputeDtype = model.dtype.parse()?;
     let bar = ProgressBar::new(0);

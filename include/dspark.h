@@ -222,6 +222,13 @@ const char *dspark_last_error_message(void);
 // The library version, a static NUL-terminated string.
 const char *dspark_version(void);
 
+// Record forwards as CUDA graphs and replay them (`enabled` non-zero, the default) or run them
+// op by op (`0`); the output is the same either way. Process-wide, from the next forward.
+void dspark_set_graphs_enabled(int32_t enabled);
+
+// Whether forwards are recorded as CUDA graphs: 1 or 0.
+int32_t dspark_graphs_enabled(void);
+
 // Route the library's log to `callback` (null stops it), for records at `max_level` (1 error
 // … 5 trace) and more severe. The first call installs the process-wide log subscriber; it
 // fails with `DSPARK_STATUS_INTERNAL` if the host process already installed another one.

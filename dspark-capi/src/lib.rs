@@ -448,6 +448,19 @@ pub extern "C" fn dspark_version() -> *const c_char {
     VERSION.as_ptr().cast()
 }
 
+/// Record forwards as CUDA graphs and replay them (`enabled` non-zero, the default) or run them
+/// op by op (`0`); the output is the same either way. Process-wide, from the next forward.
+#[unsafe(no_mangle)]
+pub extern "C" fn dspark_set_graphs_enabled(enabled: i32) {
+    dspark::set_graphs_enabled(enabled != 0);
+}
+
+/// Whether forwards are recorded as CUDA graphs: 1 or 0.
+#[unsafe(no_mangle)]
+pub extern "C" fn dspark_graphs_enabled() -> i32 {
+    i32::from(dspark::graphs_enabled())
+}
+
 /// A log sink: `level` is 1 (error) to 5 (trace); `message` is valid during the call only.
 pub type DsparkLogCallback =
     Option<unsafe extern "C" fn(level: i32, message: *const c_char, user: *mut c_void)>;

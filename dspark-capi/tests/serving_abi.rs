@@ -187,3 +187,14 @@ fn cancel_and_bad_input_are_status_codes() {
         dspark_engine_free(engine);
     }
 }
+
+#[test]
+fn the_graph_switch_round_trips() {
+    // Process-wide; every other test here runs on the CPU, where no graph is recorded, so the
+    // switch changes nothing for them.
+    assert_eq!(dspark_graphs_enabled(), 1);
+    dspark_set_graphs_enabled(0);
+    assert_eq!(dspark_graphs_enabled(), 0);
+    dspark_set_graphs_enabled(7);
+    assert_eq!(dspark_graphs_enabled(), 1);
+}

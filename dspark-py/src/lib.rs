@@ -14,6 +14,19 @@ mod stream;
 
 use pyo3::prelude::*;
 
+/// Record forwards as CUDA graphs and replay them (the default) or run them op by op; the
+/// output is the same either way. Process-wide, from the next forward.
+#[pyfunction]
+fn set_graphs_enabled(enabled: bool) {
+    dspark::set_graphs_enabled(enabled);
+}
+
+/// Whether forwards are recorded as CUDA graphs.
+#[pyfunction]
+fn graphs_enabled() -> bool {
+    dspark::graphs_enabled()
+}
+
 /// Lossless speculative decoding for Qwen3 models with DSpark block drafts.
 #[pymodule]
 fn _dspark(module: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -26,6 +39,8 @@ fn _dspark(module: &Bound<'_, PyModule>) -> PyResult<()> {
     module.add_class::<results::BatchStats>()?;
     module.add_class::<results::StreamChunk>()?;
     module.add_class::<stream::TokenStream>()?;
+    module.add_function(wrap_pyfunction!(set_graphs_enabled, module)?)?;
+    module.add_function(wrap_pyfunction!(graphs_enabled, module)?)?;
     module.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

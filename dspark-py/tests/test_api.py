@@ -16,6 +16,17 @@ def test_exports_and_version():
     assert dspark.Engine.__module__ == "dspark"
 
 
+def test_the_graph_switch_round_trips():
+    # Process-wide: restored whatever happens, so the other tests keep the default.
+    assert dspark.graphs_enabled() is True
+    try:
+        dspark.set_graphs_enabled(False)
+        assert dspark.graphs_enabled() is False
+    finally:
+        dspark.set_graphs_enabled(True)
+    assert dspark.graphs_enabled() is True
+
+
 def test_types_ship_with_the_package():
     package = Path(dspark.__file__).parent
     assert (package / "py.typed").is_file()

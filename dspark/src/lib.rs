@@ -40,4 +40,19 @@ pub use model::{
     TargetBinding,
 };
 pub use sampling::SamplingParams;
+
+/// Record forwards as CUDA graphs and replay them (on by default; CUDA only): target steps and
+/// verify windows of up to 64 rows, greedy draft rounds and draft context extensions. Off, every
+/// forward runs op by op. Outputs are the same bits either way; graphs cut the host's launch
+/// cost (a Qwen3-8B step from 10.5 to 6.1 ms on an H200) and keep up to 16 recorded shapes per
+/// model, each holding tens of MiB of device memory. Process-wide; takes effect at the next
+/// forward.
+pub fn set_graphs_enabled(enabled: bool) {
+    dspark_kernels::set_graphs_enabled(enabled);
+}
+
+/// Whether forwards are recorded as graphs (see [`set_graphs_enabled`]).
+pub fn graphs_enabled() -> bool {
+    dspark_kernels::graph::graphs_enabled()
+}
 pub use speculator::{Proposal, ProposeLane, Speculator};

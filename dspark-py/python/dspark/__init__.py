@@ -40,6 +40,8 @@ from ._dspark import (
     UnknownSequenceError,
     UnsupportedError,
     __version__,
+    graphs_enabled,
+    set_graphs_enabled,
 )
 
 __all__ = [
@@ -70,4 +72,6 @@ __all__ = [
     "UnknownSequenceError",
     "UnsupportedError",
     "__version__",
+    "graphs_enabled",
+    "set_graphs_enabled",
 ]

@@ -5,6 +5,15 @@ from typing import Callable, Iterator, List, Mapping, Optional, Sequence, Tuple,
 
 __version__: str
 
+def set_graphs_enabled(enabled: bool) -> None:
+    """Record forwards as CUDA graphs and replay them (the default) or run them op by op.
+
+    The output is the same either way. Process-wide, from the next forward.
+    """
+
+def graphs_enabled() -> bool:
+    """Whether forwards are recorded as CUDA graphs."""
+
 ChatMessage = Mapping[str, str]
 """``{"role": "system" | "user" | "assistant" | "tool", "content": str}``."""
 
