@@ -146,10 +146,23 @@ impl Qwen3 {
             report("lm_head.weight");
             Some(t)
         };
-        let theta = config.rope_theta_value().unwrap_or(1e6);
-        let rope = Rope::new(theta, config.head_dim());
+        Ok(Self::assemble(config, dtype, device, embed_tokens, layers, norm, lm_head))
+    }
+
+    /// The model from its weights: the LM head as a projection, the rotary frequencies, no
+    /// graphs recorded yet.
+    fn assemble(
+        config: Qwen3Config,
+        dtype: ComputeDtype,
+        device: Device,
+        embed_tokens: Tensor<2>,
+        layers: Vec<DecoderLayer>,
+        norm: Tensor<1>,
+        lm_head: Option<Tensor<2>>,
+    ) -> Self {
+        let rope = Rope::new(config.rope_theta_value().unwrap_or(1e6), config.head_dim());
         let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
-        Ok(Self {
+        Self {
             config,
             dtype,
             device,
@@ -161,7 +174,7 @@ impl Qwen3 {
             rope,
             rope_table: std::sync::OnceLock::new(),
             graphs: Graphs::default(),
-        })
+        }
     }
 
     /// A model with random weights at the shapes of `config` (validated), built directly on the
@@ -192,21 +205,7 @@ impl Qwen3 {
             .map(|_| DecoderLayer::random(shape, dtype, &device, 0.02))
             .collect();
         let norm = crate::device::persistent(&device, (), |()| Tensor::ones([h], opts.clone()));
-        let rope = Rope::new(config.rope_theta_value().unwrap_or(1e6), config.head_dim());
-        let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
-        Ok(Self {
-            config,
-            dtype,
-            device,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            head,
-            rope,
-            rope_table: std::sync::OnceLock::new(),
-            graphs: Graphs::default(),
-        })
+        Ok(Self::assemble(config, dtype, device, embed_tokens, layers, norm, lm_head))
     }
 
     /// Bytes of weights one decode step streams: every layer plus the LM head.
