@@ -35,10 +35,22 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
         Engine::with_draft(target, Box::new(draft), &EngineConfig::default()).unwrap()
     };
 
+    // Sampled requests: the target's verify windows take the recorded path, the draft samples
+    // op by op; the same seeds must give the same tokens either way.
+    let sampled: Vec<Request> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Request {
+            prompt: r.prompt.clone(),
+            params: SamplingParams { temperature: 0.8, seed: 11 + i as u64, ..SamplingParams::greedy(32) },
+        })
+        .collect();
+
     // 1. Op by op: target-only and speculative (device Markov pass).
     dspark_kernels::set_graph_emulation(false);
     let base = Engine::new(load(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
     let op_by_op = spec_engine().generate(&requests).unwrap();
+    let sampled_op_by_op = spec_engine().generate(&sampled).unwrap();
 
     // 2. Recorded: the golden target token for token, then both engines again.
     dspark_kernels::set_graph_emulation(true);
@@ -47,6 +59,7 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
     let plain = Engine::new(load(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
     let mut spec = spec_engine();
     let recorded = spec.generate(&requests).unwrap();
+    let sampled_recorded = spec_engine().generate(&sampled).unwrap();
     dspark_kernels::set_graph_emulation(false);
     dspark_kernels::set_paged_reference(false);
 
@@ -58,6 +71,9 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
         assert_eq!(r.stats.rounds, o.stats.rounds, "prompt {i}: rounds differ from the op-by-op round");
         generated += r.tokens.len() - 1;
         rounds += r.stats.rounds;
+    }
+    for (i, (r, o)) in sampled_recorded.iter().zip(&sampled_op_by_op).enumerate() {
+        assert_eq!(r.tokens, o.tokens, "sampled prompt {i}: recorded differs from op by op");
     }
     eprintln!("trained pair, recorded path: tau {:.3}", generated as f64 / rounds as f64);
     assert!(rounds < generated, "the draft was accepted at least sometimes");
