@@ -193,6 +193,8 @@ pub struct PagedKvCache {
     next_id: SeqId,
     /// See [`KvCache::graph_id`].
     graph_id: u64,
+    /// A page taken out of the pool for rows nobody reads (see [`PagedKvCache::scratch_row`]).
+    scratch_page: Option<usize>,
 }
 
 /// Source of [`PagedKvCache`] graph identities.
@@ -240,7 +242,23 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             next_id: 0,
             graph_id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            scratch_page: None,
         })
+    }
+
+    /// A physical row no sequence owns, where padding rows of a recorded forward write their
+    /// K/V (and nothing reads them): the first call takes one page out of the pool for good (it
+    /// no longer counts in [`PagedKvCache::total_pages`]); `None` when no page is free.
+    pub(crate) fn scratch_row(&mut self) -> Option<usize> {
+        if self.scratch_page.is_none() {
+            self.scratch_page = Some(self.free.pop()?);
+        }
+        self.scratch_page.map(|page| page * self.layout.page_size)
+    }
+
+    /// Pages sequences can hold: the pool less the scratch page, once taken.
+    fn usable_pages(&self) -> usize {
+        self.num_pages - usize::from(self.scratch_page.is_some())
     }
 
     /// Occupancy of the pool now.
@@ -248,15 +266,15 @@ impl PagedKvCache {
         PoolState {
             page_size: self.layout.page_size,
             free_pages: self.free.len(),
-            total_pages: self.num_pages,
+            total_pages: self.usable_pages(),
             page_bytes: self.layout.page_bytes(),
             budget_bytes: self.budget_bytes,
         }
     }
 
-    /// Pages in the pool.
+    /// Pages sequences can hold (the pool, less a scratch page once one is taken).
     pub fn total_pages(&self) -> usize {
-        self.num_pages
+        self.usable_pages()
     }
 
     /// Live sequences.
@@ -310,7 +328,7 @@ impl KvCache for PagedKvCache {
             return Err(Error::KvCacheFull {
                 needed_pages: needed - self.free.len(),
                 free_pages: self.free.len(),
-                total_pages: self.num_pages,
+                total_pages: self.usable_pages(),
                 page_bytes: self.layout.page_bytes(),
                 budget_bytes: self.budget_bytes,
             });
@@ -423,7 +441,7 @@ impl KvCache for PagedKvCache {
     }
 
     fn bytes_used(&self) -> usize {
-        (self.num_pages - self.free.len()) * self.layout.page_bytes()
+        (self.usable_pages() - self.free.len()) * self.layout.page_bytes()
     }
 
     fn bytes_in_rows(&self) -> usize {

@@ -880,11 +880,20 @@ impl DSparkDraft {
         {
             return None;
         }
+        // Many lanes extend by a different number of rows every round: padded to a few sizes,
+        // a handful of graphs serve them all. Padding rows write their K/V to the scratch row.
+        let (rows, pad_row) = match self.cache.scratch_row() {
+            Some(row) => (padded_rows(n), row as i64),
+            None => (n, 0),
+        };
         let mut host = HostInputs { floats: Some(features.clone()), ..HostInputs::default() };
         host.ints.extend(positions.iter().map(|&p| p as i64));
+        host.ints.resize(rows, 0);
         host.ints.extend_from_slice(physical);
+        host.ints.resize(2 * rows, pad_row);
         // Detail 0 tells extensions from rounds (whose first detail is a lane count).
-        let key = ShapeKey { rows: n, ints: host.ints.len(), detail: vec![0, width] };
+        let key = ShapeKey { rows, ints: host.ints.len(), detail: vec![0, width] };
+        let n = rows;
         let pool_rows = self.cache.pools(0).map_or(0, |(k, _)| k.dims()[0]);
         let id = self.cache.graph_id().unwrap_or(0);
         let (cos_t, sin_t) =
@@ -1187,6 +1196,13 @@ impl HostUniform {
     }
 }
 
+/// The row count a recorded context extension of `rows` rows runs at: 1, 2, 4, 8, then multiples
+/// of 8 (at most [`MAX_GRAPH_ROWS`]).
+fn padded_rows(rows: usize) -> usize {
+    let padded = if rows <= 8 { rows.next_power_of_two() } else { rows.div_ceil(8) * 8 };
+    padded.min(MAX_GRAPH_ROWS).max(rows)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1252,5 +1268,14 @@ mod tests {
             assert!(matches!(err, Err(Error::Config { .. })), "{err:?}");
         }
         Ok(())
+    }
+
+    #[test]
+    fn extensions_pad_to_a_few_row_counts() {
+        let sizes: std::collections::BTreeSet<usize> = (1..=MAX_GRAPH_ROWS).map(super::padded_rows).collect();
+        assert_eq!(sizes.into_iter().collect::<Vec<_>>(), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]);
+        for rows in 1..=MAX_GRAPH_ROWS {
+            assert!(super::padded_rows(rows) >= rows);
+        }
     }
 }
