@@ -170,6 +170,12 @@ pub trait KvCache {
     fn graph_id(&self) -> Option<u64> {
         None
     }
+
+    /// A physical row no sequence owns, where padding rows of a recorded forward write their
+    /// K/V (nothing reads them); `None` when this cache has none to give.
+    fn scratch_row(&mut self) -> Option<usize> {
+        None
+    }
 }
 
 #[derive(Debug, Default)]
@@ -244,16 +250,6 @@ impl PagedKvCache {
             graph_id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             scratch_page: None,
         })
-    }
-
-    /// A physical row no sequence owns, where padding rows of a recorded forward write their
-    /// K/V (and nothing reads them): the first call takes one page out of the pool for good (it
-    /// no longer counts in [`PagedKvCache::total_pages`]); `None` when no page is free.
-    pub(crate) fn scratch_row(&mut self) -> Option<usize> {
-        if self.scratch_page.is_none() {
-            self.scratch_page = Some(self.free.pop()?);
-        }
-        self.scratch_page.map(|page| page * self.layout.page_size)
     }
 
     /// Pages sequences can hold: the pool less the scratch page, once taken.
@@ -458,6 +454,15 @@ impl KvCache for PagedKvCache {
 
     fn graph_id(&self) -> Option<u64> {
         Some(self.graph_id)
+    }
+
+    /// The first call takes one page out of the pool for good (it no longer counts in
+    /// [`PagedKvCache::total_pages`]); `None` when no page is free.
+    fn scratch_row(&mut self) -> Option<usize> {
+        if self.scratch_page.is_none() {
+            self.scratch_page = Some(self.free.pop()?);
+        }
+        self.scratch_page.map(|page| page * self.layout.page_size)
     }
 }
 

@@ -883,7 +883,7 @@ impl DSparkDraft {
         // Many lanes extend by a different number of rows every round: padded to a few sizes,
         // a handful of graphs serve them all. Padding rows write their K/V to the scratch row.
         let (rows, pad_row) = match self.cache.scratch_row() {
-            Some(row) => (padded_rows(n), row as i64),
+            Some(row) => (super::graphs::padded_rows(n), row as i64),
             None => (n, 0),
         };
         let mut host = HostInputs { floats: Some(features.clone()), ..HostInputs::default() };
@@ -1196,13 +1196,6 @@ impl HostUniform {
     }
 }
 
-/// The row count a recorded context extension of `rows` rows runs at: 1, 2, 4, 8, then multiples
-/// of 8 (at most [`MAX_GRAPH_ROWS`]).
-fn padded_rows(rows: usize) -> usize {
-    let padded = if rows <= 8 { rows.next_power_of_two() } else { rows.div_ceil(8) * 8 };
-    padded.min(MAX_GRAPH_ROWS).max(rows)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1271,11 +1264,12 @@ mod tests {
     }
 
     #[test]
-    fn extensions_pad_to_a_few_row_counts() {
-        let sizes: std::collections::BTreeSet<usize> = (1..=MAX_GRAPH_ROWS).map(super::padded_rows).collect();
+    fn forwards_pad_to_a_few_row_counts() {
+        let sizes: std::collections::BTreeSet<usize> =
+            (1..=MAX_GRAPH_ROWS).map(crate::model::graphs::padded_rows).collect();
         assert_eq!(sizes.into_iter().collect::<Vec<_>>(), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]);
         for rows in 1..=MAX_GRAPH_ROWS {
-            assert!(super::padded_rows(rows) >= rows);
+            assert!(crate::model::graphs::padded_rows(rows) >= rows);
         }
     }
 }

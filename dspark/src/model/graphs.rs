@@ -31,6 +31,15 @@ pub(crate) const MAX_GRAPH_ROWS: usize = 64;
 /// run op by op.
 pub(crate) const MAX_GRAPHS: usize = 16;
 
+/// The row count a recorded forward of `rows` rows runs at where the cache has a scratch row for
+/// the padding: 1, 2, 4, 8, then multiples of 8 (at most [`MAX_GRAPH_ROWS`]). With many lanes
+/// the rows of a step or an extension change from round to round; padded, a handful of graphs
+/// serve them all.
+pub(crate) fn padded_rows(rows: usize) -> usize {
+    let padded = if rows <= 8 { rows.next_power_of_two() } else { rows.div_ceil(8) * 8 };
+    padded.min(MAX_GRAPH_ROWS).max(rows)
+}
+
 /// A shape is recorded the second time it is seen: one-off shapes (a prefill tail, a lane
 /// leaving) do not take a graph's memory.
 const RECORD_AFTER: u32 = 2;

@@ -429,7 +429,7 @@ impl Qwen3 {
         capture: &[usize],
         cache: &mut dyn KvCache,
     ) -> Recorded {
-        let (rows, picks) = (tokens.len(), pick.len());
+        let (real, picks) = (tokens.len(), pick.len());
         let (Some(id), Some(pool_rows)) = (cache.graph_id(), cache.pools(0).map(|(k, _)| k.dims()[0])) else {
             return Recorded::No(plan);
         };
@@ -442,18 +442,35 @@ impl Qwen3 {
         }
         let (cos_t, sin_t) =
             self.rope_table.get_or_init(|| self.rope.full_tables(table_rows, self.dtype, &self.device));
+        // Padded to a few row counts (see `padded_rows`): padding rows read the scratch row
+        // alone and write their K/V there; their logits and features are dropped.
+        let scratch = if super::graphs::padded_rows(real) > real { cache.scratch_row() } else { None };
+        let rows = scratch.map_or(real, |_| super::graphs::padded_rows(real));
+        let pad_row = scratch.map_or(0, |r| r as i64);
         let mut ints = Vec::with_capacity(3 * rows + picks);
         ints.extend_from_slice(tokens);
+        ints.resize(rows, 0);
         ints.extend(positions.iter().map(|&p| p as i64));
+        ints.resize(2 * rows, 0);
         ints.extend_from_slice(&plan.new_rows);
+        ints.resize(3 * rows, pad_row);
         let pick_rows = picks > 0 && picks < rows;
-        if pick_rows {
+        if pick_rows && picks == real {
+            ints.extend(0..real as i64);
+        } else if pick_rows {
             ints.extend_from_slice(pick);
         }
         let mut detail = vec![picks];
         detail.extend_from_slice(capture);
         let key = ShapeKey { rows, ints: ints.len(), detail };
-        let host = HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats: None };
+        let mut host = HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats: None };
+        if rows > real {
+            let at = host.keys.len() as i32;
+            host.keys.push(pad_row as i32);
+            for _ in real..rows {
+                host.meta.extend([at, 1]);
+            }
+        }
         let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
             let ids = inputs.ints(0, rows);
             let at = inputs.ints(rows, rows);
@@ -466,7 +483,8 @@ impl Qwen3 {
         });
         match ran {
             Ran::Replayed(mut outs) => {
-                let features = (!capture.is_empty()).then(|| outs.pop()).flatten();
+                let features =
+                    (!capture.is_empty()).then(|| outs.pop()).flatten().map(|f| f.narrow(0, 0, real));
                 let logits = (picks > 0).then(|| outs.pop()).flatten();
                 Recorded::Done(Box::new((logits, features)))
             }
