@@ -191,7 +191,7 @@ pub struct PagedKvCache {
     budget_bytes: usize,
     num_pages: usize,
     device: Device,
-    /// Per layer: `[num_pages * page_size, kv_heads, head_dim]`.
+    /// Per layer: `[(num_pages + 1) * page_size, kv_heads, head_dim]` (the last page is scratch).
     k: Vec<Tensor<3>>,
     v: Vec<Tensor<3>>,
     free: Vec<usize>,
@@ -199,15 +199,16 @@ pub struct PagedKvCache {
     next_id: SeqId,
     /// See [`KvCache::graph_id`].
     graph_id: u64,
-    /// A page taken out of the pool for rows nobody reads (see [`PagedKvCache::scratch_row`]).
-    scratch_page: Option<usize>,
 }
 
 /// Source of [`PagedKvCache`] graph identities.
 static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl PagedKvCache {
-    /// A pool of `floor(budget_bytes / page_bytes)` pages on `device`.
+    /// A pool of `floor(budget_bytes / page_bytes)` pages on `device`, and one scratch page
+    /// past them that no sequence ever holds: padding rows of recorded forwards write their K/V
+    /// there ([`KvCache::scratch_row`]). It is outside the budget's page count (one page more
+    /// device memory).
     ///
     /// # Errors
     /// [`Error::InvalidInput`] when the budget holds no page or the layout has a zero extent.
@@ -222,7 +223,7 @@ impl PagedKvCache {
                 layout.page_bytes()
             )));
         }
-        let rows = num_pages * layout.page_size;
+        let rows = (num_pages + 1) * layout.page_size;
         let make = || {
             (0..layout.layers)
                 .map(|_| {
@@ -248,13 +249,7 @@ impl PagedKvCache {
             seqs: HashMap::new(),
             next_id: 0,
             graph_id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            scratch_page: None,
         })
-    }
-
-    /// Pages sequences can hold: the pool less the scratch page, once taken.
-    fn usable_pages(&self) -> usize {
-        self.num_pages - usize::from(self.scratch_page.is_some())
     }
 
     /// Occupancy of the pool now.
@@ -262,15 +257,15 @@ impl PagedKvCache {
         PoolState {
             page_size: self.layout.page_size,
             free_pages: self.free.len(),
-            total_pages: self.usable_pages(),
+            total_pages: self.num_pages,
             page_bytes: self.layout.page_bytes(),
             budget_bytes: self.budget_bytes,
         }
     }
 
-    /// Pages sequences can hold (the pool, less a scratch page once one is taken).
+    /// Pages in the pool.
     pub fn total_pages(&self) -> usize {
-        self.usable_pages()
+        self.num_pages
     }
 
     /// Live sequences.
@@ -324,7 +319,7 @@ impl KvCache for PagedKvCache {
             return Err(Error::KvCacheFull {
                 needed_pages: needed - self.free.len(),
                 free_pages: self.free.len(),
-                total_pages: self.usable_pages(),
+                total_pages: self.num_pages,
                 page_bytes: self.layout.page_bytes(),
                 budget_bytes: self.budget_bytes,
             });
@@ -437,7 +432,7 @@ impl KvCache for PagedKvCache {
     }
 
     fn bytes_used(&self) -> usize {
-        (self.usable_pages() - self.free.len()) * self.layout.page_bytes()
+        (self.num_pages - self.free.len()) * self.layout.page_bytes()
     }
 
     fn bytes_in_rows(&self) -> usize {
@@ -456,13 +451,9 @@ impl KvCache for PagedKvCache {
         Some(self.graph_id)
     }
 
-    /// The first call takes one page out of the pool for good (it no longer counts in
-    /// [`PagedKvCache::total_pages`]); `None` when no page is free.
+    /// The first row of the page past the pool's last (see [`PagedKvCache::new`]).
     fn scratch_row(&mut self) -> Option<usize> {
-        if self.scratch_page.is_none() {
-            self.scratch_page = Some(self.free.pop()?);
-        }
-        self.scratch_page.map(|page| page * self.layout.page_size)
+        Some(self.num_pages * self.layout.page_size)
     }
 }
 
