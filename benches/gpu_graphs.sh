@@ -9,7 +9,7 @@
 #   strip + xz: `tests` and `suite` need the gpu_golden test binary (target/release/deps/gpu_golden-*),
 #   `kernels` bench-kernels and bench-target, `benches` bench-draft, `workloads` bench-workload
 #   cp ../shared/prompts/*.jsonl out/prompts/   (for `workloads`)
-# Usage: benches/gpu_graphs.sh tests|suite|kernels|benches|workloads
+# Usage: benches/gpu_graphs.sh tests|suite|kernels|benches|workloads|memory
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-tests}
@@ -60,5 +60,25 @@ workloads)
         --gate-text-tokens 32 --out-md "$OUT/workload-8b-graphs.md" --out-json "$OUT/workload-8b-graphs.json" \
         > "$OUT/workload-8b-graphs.log" 2>&1
     echo "workload exit $?"; grep -E "^\| (solo|team|busy) |peak memory|Gate" "$OUT/workload-8b-graphs.md"
+    ;;
+memory)
+    # The memory bound with the graph limits and padded shapes (issue 6 item 3, issue 8 item 3):
+    # team and busy workloads with an FP8 draft, then the team workload with the FP8 LM head;
+    # the GPU cost table (issue 6 item 4) needs bench-cost-table in out/carry as well.
+    for head in "" "--draft-fp8-head"; do
+        name=workload-8b-memory${head:+-fp8h}
+        workloads=team,busy; [ -n "$head" ] && workloads=team
+        timeout 240 out/bin/bench-workload --device cuda --dtype bf16 --shape qwen3-8b --draft-fp8 $head \
+            --prompts out/prompts --prompts-per-file 1 --max-new-tokens 64 --workloads $workloads \
+            --team-lanes 8 --busy-lanes 16 --sample-seeds 0 --gate-texts 1 --gate-text-tokens 32 \
+            --out-md "$OUT/$name.md" --out-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+        echo "$name exit $?"; grep -E "^\| (solo|team|busy) |peak memory|Gate" "$OUT/$name.md"
+    done
+    if [ -x out/bin/bench-cost-table ]; then
+        timeout 200 out/bin/bench-cost-table --device cuda --dtype bf16 --target random:qwen3-8b \
+            --draft random --gamma 7 --lanes 1,4,16 --context 64 --warmup 2 --reps 3 --passes 1 \
+            --machine "NVIDIA H200" --out "$OUT/cuda-qwen3-8b-bf16.json" > "$OUT/cost-table.md" 2> "$OUT/cost-table.log"
+        echo "cost table exit $?"; head -30 "$OUT/cost-table.md"
+    fi
     ;;
 esac
