@@ -45,10 +45,12 @@ impl DeviceMarkov {
     /// Upload the Markov head; `None` for the gated and rnn heads, which stay on the host pass.
     pub(crate) fn new(markov: Option<&MarkovHead>, dtype: ComputeDtype, device: &Device) -> Option<Self> {
         let upload = |values: &[f32], dims: [usize; 2], dtype: DType| {
-            crate::device::persistent(device, (), |()| {
-                let t = Tensor::<2>::from_data(TensorData::new(values.to_vec(), dims), device);
-                if dtype == DType::F32 { t } else { t.cast(dtype) }
-            })
+            // Rounded on the host: no f32 copy on the device, which would stay reserved in the
+            // persistent pool after a cast there.
+            let data = TensorData::new(values.to_vec(), dims);
+            let data = data.clone().try_cast(dtype).unwrap_or(data);
+            let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+            crate::device::persistent(device, data, |data| Tensor::<2>::from_data(data, options.clone()))
         };
         let w = match markov {
             None => None,

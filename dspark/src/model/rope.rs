@@ -41,9 +41,13 @@ impl Rope {
                 }
             }
         }
+        // Rounded to the compute dtype on the host: no f32 copy on the device (which, for the
+        // persistent table of every position, would stay reserved after the cast).
         let make = |values: Vec<f32>| {
-            let t = Tensor::<2>::from_data(TensorData::new(values, [n, self.head_dim]), device);
-            if dtype == ComputeDtype::F32 { t } else { t.cast(dtype.dtype()) }
+            let data = TensorData::new(values, [n, self.head_dim]);
+            let data = data.clone().try_cast(dtype.dtype()).unwrap_or(data);
+            let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
+            Tensor::<2>::from_data(data, options)
         };
         (make(cos), make(sin))
     }
