@@ -13,11 +13,7 @@
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-tests}
-mkdir -p "$OUT" out/bin
-for f in out/carry/*.xz; do xz -dc "$f" > "out/bin/$(basename "$f" .xz)"; chmod +x "out/bin/$(basename "$f" .xz)"; done
-export CUBECL_AUTOTUNE_LEVEL=minimal RUST_LOG=warn
-export DSPARK_MODELS=$PWD/models DSPARK_GOLDEN=$PWD/dspark/tests/fixtures/golden
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/gpu_env.sh"
 
 case "$PHASE" in
 tests)
