@@ -10,8 +10,8 @@ mod common;
 
 use common::{checks, heldout_prompts, models};
 use dspark::{
-    ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, LoadOptions, Qwen3,
-    Request, SamplingParams,
+    ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, Engine, EngineConfig, KvCache, LoadOptions,
+    LogitRows, PagedKvCache, Qwen3, Request, SamplingParams, SeqChunk,
 };
 
 #[test]
@@ -60,6 +60,33 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
     let mut spec = spec_engine();
     let recorded = spec.generate(&requests).unwrap();
     let sampled_recorded = spec_engine().generate(&sampled).unwrap();
+
+    // 3. The recording policy: a shape is recorded the second time it is seen, at most 16 are
+    //    kept, and row counts share padded shapes (1, 2, 4, 8, 16 rows here).
+    let target = load();
+    let mut kv = PagedKvCache::new(target.kv_layout(16), 8 << 20, target.device()).unwrap();
+    let mut shapes = Vec::new();
+    for rows in [1usize, 2, 3, 5, 9] {
+        for logits in [LogitRows::Last, LogitRows::All] {
+            for capture in [&[][..], &[0][..]] {
+                shapes.push((rows, logits, capture));
+            }
+        }
+    }
+    let pass = |kv: &mut PagedKvCache| {
+        for &(rows, logits, capture) in &shapes {
+            let seq = kv.allocate();
+            let tokens = vec![5; rows];
+            target.forward(&[SeqChunk { seq, tokens: &tokens, logits }], capture, kv).unwrap();
+            kv.free(seq).unwrap();
+        }
+    };
+    // One row with its last row's logits or all rows' logits is one launch shape: those two
+    // pairs are seen twice in the first pass; the other 16 shapes once.
+    pass(&mut kv);
+    assert_eq!(target.recorded_shapes(), 2, "only the shapes seen twice are recorded");
+    pass(&mut kv);
+    assert_eq!(target.recorded_shapes(), 16, "18 shapes seen twice, at most 16 recorded");
     dspark_kernels::set_graph_emulation(false);
     dspark_kernels::set_paged_reference(false);
 

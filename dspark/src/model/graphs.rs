@@ -101,8 +101,21 @@ pub(crate) struct ShapeKey {
 }
 
 enum Entry {
-    Ready { graph: DeviceGraph, outputs: Vec<Tensor<2>> },
+    Ready {
+        graph: DeviceGraph,
+        outputs: Vec<Tensor<2>>,
+    },
+    /// Admitted where graphs are only emulated: the body runs on every call, and the shape
+    /// counts toward [`MAX_GRAPHS`] as a graph would.
+    Emulated,
     Failed,
+}
+
+impl Entry {
+    /// Whether this shape holds a graph's place.
+    fn recorded(&self) -> bool {
+        matches!(self, Entry::Ready { .. } | Entry::Emulated)
+    }
 }
 
 struct Bound {
@@ -148,6 +161,13 @@ pub(crate) fn recording(device: &Device) -> bool {
 }
 
 impl Graphs {
+    /// Shapes recorded for the bound cache (emulated ones included).
+    pub fn recorded(&self) -> usize {
+        self.bound
+            .lock()
+            .map_or(0, |b| b.as_ref().map_or(0, |b| b.graphs.values().filter(|e| e.recorded()).count()))
+    }
+
     /// Write `host` into the device inputs and run the recorded forward of `key` (recording it
     /// first when new): `body` computes the forward from the device inputs and returns its
     /// outputs. `cache` is the identity of the cache the body writes, `pool_rows` its rows.
@@ -198,7 +218,7 @@ impl Graphs {
         if !bound.graphs.contains_key(&key) {
             let seen = bound.seen.entry(key.clone()).or_insert(0);
             *seen += 1;
-            let ready = bound.graphs.values().filter(|e| matches!(e, Entry::Ready { .. })).count();
+            let ready = bound.graphs.values().filter(|e| e.recorded()).count();
             if *seen < RECORD_AFTER || ready >= MAX_GRAPHS {
                 return Ran::NotRecorded;
             }
@@ -244,6 +264,7 @@ impl Graphs {
         };
         // 2. the graph: replay, or record and replay (emulated: the body, every time).
         if !dspark_kernels::graphs_available(device) {
+            bound.graphs.entry(key).or_insert(Entry::Emulated);
             return match body(&inputs) {
                 Ok(outputs) => Ran::Replayed(outputs),
                 Err(e) => Ran::Failed(e),

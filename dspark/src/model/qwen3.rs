@@ -208,6 +208,12 @@ impl Qwen3 {
         Ok(Self::assemble(config, dtype, device, embed_tokens, layers, norm, lm_head))
     }
 
+    /// Launch shapes whose forwards are recorded as graphs (for the cache used last): at most
+    /// 16, each holding the device memory its launches touched (see [`crate::set_graphs_enabled`]).
+    pub fn recorded_shapes(&self) -> usize {
+        self.graphs.recorded()
+    }
+
     /// Bytes of weights one decode step streams: every layer plus the LM head.
     pub fn step_weight_bytes(&self) -> usize {
         let head = self.config.vocab_size * self.config.hidden_size * self.dtype.size();
