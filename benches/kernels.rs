@@ -52,6 +52,14 @@ struct Args {
     /// Context length of the attention in `--anatomy`.
     #[arg(long, default_value_t = 512)]
     context: usize,
+    /// Also time these cuts of the skinny GEMMs (`SPLITSxDEPTH`: cubes along the reduction axis,
+    /// chunks in flight per warp), each forced on every shape where it fits, in graphs, bf16 and
+    /// (with `--fp8`) FP8, beside the plan chosen per shape (`chosen`).
+    #[arg(long, value_delimiter = ',')]
+    plans: Vec<dspark_kernels::GemmPlan>,
+    /// Only the `--plans` table (skip the host-timed bf16 and FP8 tables).
+    #[arg(long)]
+    plans_only: bool,
 }
 
 /// `(name, in, out)` of each weight.
@@ -208,7 +216,68 @@ fn fp8_table(args: &Args, device: &Device) {
     }
 }
 
-/// Largest |a − b| over the largest |b|.
+/// The plans table: graphed device time of each forced plan on each shape.
+fn plans_table(args: &Args, device: &Device) {
+    println!("\n# Skinny GEMM plans (splits x depth), device time per call in a graph\n");
+    println!(
+        "| matrix | in | out | rows | plan | bf16 µs | bf16 TB/s | bf16 max rel diff | FP8 µs | FP8 TB/s | FP8 max rel diff |"
+    );
+    println!("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|");
+    for (name, inp, out) in matrices(&args.shape) {
+        let bytes = inp * out;
+        let dense: Vec<Tensor<2>> = (0..args.rotate_bytes.div_ceil(2 * bytes).clamp(1, 16))
+            .map(|_| random(out, inp, 0.02, device))
+            .collect();
+        let fp8: Vec<_> = if args.fp8 {
+            (0..args.rotate_bytes.div_ceil(bytes).clamp(1, 16))
+                .map(|i| random_fp8(out, inp, i as u64 + 1, device))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        for &rows in &args.rows {
+            let x = random(rows, inp, 1.0, device);
+            let want = dspark_kernels::reference::linear_f32(x.clone(), &dense[0]);
+            let want_fp8 = fp8.first().map(|m| dspark_kernels::reference::linear_fp8(x.clone(), m));
+            let plans = std::iter::once(None).chain(args.plans.iter().copied().map(Some));
+            for plan in plans {
+                dspark_kernels::force_plan(plan);
+                let label = plan.map_or("chosen".to_string(), |p| p.to_string());
+                let diff = max_rel_diff(dspark_kernels::linear(x.clone(), &dense[0]), want.clone());
+                let g = time_graphed(
+                    |i| dspark_kernels::linear(x.clone(), &dense[i % dense.len()]),
+                    args.iters,
+                    device,
+                );
+                let (g8, diff8) = match (&want_fp8, fp8.is_empty()) {
+                    (Some(w8), false) => (
+                        time_graphed(
+                            |i| dspark_kernels::linear_fp8(x.clone(), &fp8[i % fp8.len()]),
+                            args.iters,
+                            device,
+                        ),
+                        Some(max_rel_diff(dspark_kernels::linear_fp8(x.clone(), &fp8[0]), w8.clone())),
+                    ),
+                    _ => (None, None),
+                };
+                let us = |g: Option<f64>| g.map_or("—".into(), |g| format!("{:.1}", g * 1e6));
+                let tbs = |g: Option<f64>, b: usize| {
+                    g.map_or("—".into(), |g| format!("{:.2}", b as f64 / g / 1e12))
+                };
+                println!(
+                    "| {name} | {inp} | {out} | {rows} | {label} | {} | {} | {diff:.1e} | {} | {} | {} |",
+                    us(g),
+                    tbs(g, 2 * bytes),
+                    us(g8),
+                    tbs(g8, bytes),
+                    diff8.map_or("—".into(), |d| format!("{d:.1e}")),
+                );
+            }
+            dspark_kernels::force_plan(None);
+        }
+    }
+}
+
 /// One timed call of [`anatomy`].
 type Call<'a> = Box<dyn FnMut(usize) -> Tensor<2> + 'a>;
 
@@ -265,6 +334,7 @@ fn anatomy(args: &Args, device: &Device) {
     }
 }
 
+/// Largest |a − b| over the largest |b|.
 fn max_rel_diff(a: Tensor<2>, b: Tensor<2>) -> f32 {
     let a = a.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
     let b = b.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
@@ -301,6 +371,10 @@ fn main() {
         floor_kernel * 1e6,
         floor_plain * 1e6
     );
+    if args.plans_only {
+        plans_table(&args, &device);
+        return;
+    }
     println!(
         "| matrix | in | out | MB | rows | plain burn µs | kernel µs | plain TB/s | kernel TB/s | kernel speedup | max rel diff | graphed kernel µs | graphed TB/s |"
     );
@@ -339,6 +413,9 @@ fn main() {
     }
     if args.fp8 {
         fp8_table(&args, &device);
+    }
+    if !args.plans.is_empty() {
+        plans_table(&args, &device);
     }
     if args.anatomy {
         anatomy(&args, &device);

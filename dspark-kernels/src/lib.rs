@@ -8,6 +8,7 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod fp8;
+pub mod gemm_plan;
 pub mod graph;
 pub mod reference;
 
@@ -38,6 +39,7 @@ pub fn kernels_enabled() -> bool {
 }
 
 pub use fp8::{Fp8Matrix, linear_fp8};
+pub use gemm_plan::{GemmPlan, force_plan};
 pub use graph::{
     DeviceGraph, GraphError, graph_emulation, graphs_available, set_graph_emulation, set_graphs_enabled,
     write_floats_into, write_into,

@@ -12,11 +12,21 @@
 //! dot product is unchanged. The warps' partial sums meet in shared memory and are added in warp
 //! order.
 //!
+//! # Splitting the reduction across cubes
+//! A matrix with few output rows (a `[4096, 4096]` o projection has 256 blocks of 16) gives each
+//! warp a long chain of dependent loads, and the time of a 1-row product is then set by memory
+//! latency, not bandwidth. A [`GemmPlan`](crate::GemmPlan) may cut the reduction axis into `splits` equal ranges
+//! of chunks, one cube per (16 rows, range): each writes its f32 sums, and a second kernel adds
+//! the ranges in order and rounds to bf16. `depth` is how many chunks a warp loads before it
+//! multiplies.
+//!
 //! # Batch invariance
 //! Nothing in a row's reduction depends on the other rows: the chunk order of each warp, the
-//! mma tree inside one instruction, and the warp order of the final sum depend only on `in`. A
-//! row therefore gets bit-identical results whether it is computed alone, inside a verify window
-//! or among other lanes (the GPU tests check it).
+//! mma tree inside one instruction, the warp order and the split order of the final sums depend
+//! only on the matrix's shape (the plan is chosen from `in` and `out`, never from the number of
+//! rows; `depth` changes when loads are issued, not the order of the sums). A row therefore gets
+//! bit-identical results whether it is computed alone, inside a verify window or among other
+//! lanes (the GPU tests check it).
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor};
@@ -29,17 +39,9 @@ use half::bf16;
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
 type Words = Vector<u32, Const<4>>;
 
-/// Warps per cube (they split the reduction axis).
-pub(crate) const WARPS: usize = 8;
-/// Chunks of 32 `k` each warp loads before it multiplies (loads in flight per lane:
-/// `(2 + tiles)·unroll`): deeper when few activation tiles leave registers free.
-pub(crate) fn unroll(tiles: usize) -> usize {
-    match tiles {
-        1 | 2 => 4,
-        3 | 4 => 2,
-        _ => 1,
-    }
-}
+pub(crate) use crate::gemm_plan::WARPS;
+
+pub(crate) use crate::gemm_plan::{Weights, plan};
 /// Most activation rows one launch handles (8 per mma tile); larger calls are split on the host.
 pub(crate) const MAX_ROWS: usize = 64;
 
@@ -48,26 +50,32 @@ pub(crate) const MAX_ROWS: usize = 64;
 /// `x`: `[rows, in]`, `w`: `[out, in]`, both contiguous bf16 read as words; `y`: `[rows, out]`.
 /// `in_words = in / 8`; `in` a multiple of 32, `out` a multiple of 16.
 #[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
 fn skinny_gemm_kernel(
     x: &[Words],
     w: &[Words],
     y: &mut [bf16],
+    parts: &mut [f32],
     rows: u32,
     in_words: u32,
     out: u32,
     #[comptime] tiles: usize,
     #[comptime] warps: usize,
     #[comptime] unroll: usize,
+    #[comptime] splits: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
     let t = lane % 4;
     let block = CUBE_POS_X as usize;
+    let split = CUBE_POS_Y as usize;
     let in_words = in_words as usize;
     let rows = rows as usize;
     let out = out as usize;
-    let chunks = in_words / 4;
+    // This cube's range of chunks: `[first, first + chunks)`.
+    let chunks = in_words / 4 / splits;
+    let first = split * chunks;
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
@@ -91,8 +99,9 @@ fn skinny_gemm_kernel(
         let mut xs = Array::<Words>::new(unroll * tiles);
         #[unroll]
         for u in 0..unroll {
-            let chunk = (step * unroll + u) * warps + warp;
-            if chunk < chunks {
+            let local = (step * unroll + u) * warps + warp;
+            let chunk = first + local;
+            if local < chunks {
                 wa[u] = w[w_lo + chunk * 4];
                 wb[u] = w[w_hi + chunk * 4];
             } else {
@@ -102,7 +111,7 @@ fn skinny_gemm_kernel(
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
-                if chunk < chunks && row < rows {
+                if local < chunks && row < rows {
                     xs[u * tiles + j] = x[row * in_words + chunk * 4 + t];
                 } else {
                     xs[u * tiles + j] = zero;
@@ -153,8 +162,9 @@ fn skinny_gemm_kernel(
     }
     sync_cube();
 
-    // 4. Sum over warps in warp order and write bf16; consecutive threads write consecutive
-    //    output features of one row.
+    // 4. Sum over warps in warp order and write bf16 (or, for one split of several, the f32 sum
+    //    into its slice of `parts`); consecutive threads write consecutive output features of
+    //    one row.
     let threads = warps * 32;
     let id = warp * 32 + lane;
     let total = tiles * tile_len;
@@ -172,9 +182,54 @@ fn skinny_gemm_kernel(
             let within = e % tile_len;
             let row = j * 8 + within / 16;
             if row < rows {
-                y[row * out + block * 16 + within % 16] = bf16::cast_from(sum);
+                if comptime![splits > 1] {
+                    parts[(split * rows + row) * out + block * 16 + within % 16] = sum;
+                } else {
+                    y[row * out + block * 16 + within % 16] = bf16::cast_from(sum);
+                }
             }
         }
+    }
+}
+
+/// `y[i] = bf16(parts[0][i] + parts[1][i] + …)`, adding the splits in order; `parts` is
+/// `[splits, len]` f32.
+#[cube(launch_unchecked)]
+pub(crate) fn combine_splits_kernel(parts: &[f32], y: &mut [bf16], len: u32, #[comptime] splits: usize) {
+    let i = ABSOLUTE_POS;
+    let len = len as usize;
+    if i < len {
+        let mut sum = parts[i];
+        #[unroll]
+        for s in 1..splits {
+            sum += parts[s * len + i];
+        }
+        y[i] = bf16::cast_from(sum);
+    }
+}
+
+/// Launches [`combine_splits_kernel`] over `len` outputs of `y` (a bf16 buffer from its own
+/// start) from `parts` (`[splits, len]` f32).
+pub(crate) fn combine_splits(
+    client: &cubecl::client::Client,
+    parts: &CubeTensor,
+    y: cubecl::server::Handle,
+    len: usize,
+    splits: usize,
+) {
+    let threads = 256usize;
+    // SAFETY: `parts` holds `splits · len` f32 and `y` at least `len` bf16 from its start; the
+    // kernel touches index `i < len` of each split and of `y` only.
+    unsafe {
+        combine_splits_kernel::launch_unchecked(
+            client,
+            CubeCount::Static(len.div_ceil(threads) as u32, 1, 1),
+            CubeDim::new_1d(threads as u32),
+            BufferArg::from_raw_parts(parts.handle.clone(), splits * len),
+            BufferArg::from_raw_parts(y, len),
+            len as u32,
+            splits,
+        );
     }
 }
 
@@ -222,6 +277,8 @@ pub(crate) fn launch(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         x.dtype,
     );
     let in_words = inp / 8;
+    let plan = plan(Weights::Bf16, inp / 32, out);
+    let parts = split_scratch(&x, plan.splits, rows.min(MAX_ROWS) * out);
     let mut start = 0;
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
@@ -229,28 +286,51 @@ pub(crate) fn launch(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         // Row `start` of x and of y: byte offsets into the same buffers.
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
+        // Without splits the kernel never touches `parts`: y's own buffer stands in.
+        let (parts_handle, parts_len) = match &parts {
+            Some(p) => (p.handle.clone(), plan.splits * n * out),
+            None => (y_handle.clone(), n * out / 2),
+        };
         // SAFETY: the lengths below are the buffers' sizes from `start` on, in the kernel's
-        // element units (16-byte words for x and w, bf16 for y); the kernel reads x rows `< n`,
-        // w rows `< out`, and writes y rows `< n` only.
+        // element units (16-byte words for x and w, bf16 for y, f32 for parts); the kernel reads
+        // x rows `< n`, w rows `< out`, and writes y rows `< n` (or parts `[splits, n, out]`).
         unsafe {
             skinny_gemm_kernel::launch_unchecked(
                 &client,
-                CubeCount::Static((out / 16) as u32, 1, 1),
+                CubeCount::Static((out / 16) as u32, plan.splits as u32, 1),
                 CubeDim::new_2d(32, WARPS as u32),
                 BufferArg::from_raw_parts(x_handle, n * in_words),
                 BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
-                BufferArg::from_raw_parts(y_handle, n * out),
+                BufferArg::from_raw_parts(y_handle.clone(), n * out),
+                BufferArg::from_raw_parts(parts_handle, parts_len),
                 n as u32,
                 in_words as u32,
                 out as u32,
                 tiles,
                 WARPS,
-                unroll(tiles),
+                plan.unroll(tiles),
+                plan.splits,
             );
+        }
+        if let Some(p) = &parts {
+            combine_splits(&client, p, y_handle, n * out, plan.splits);
         }
         start += n;
     }
     y
+}
+
+/// The f32 scratch of a split product, `[splits, len]` (reused by each launch of the call), or
+/// `None` without splits.
+pub(crate) fn split_scratch(like: &CubeTensor, splits: usize, len: usize) -> Option<CubeTensor> {
+    (splits > 1).then(|| {
+        burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+            like.client.clone(),
+            like.device.clone(),
+            [splits * len].into(),
+            DType::F32,
+        )
+    })
 }
 
 /// `[rows, out]` for `x` `[rows, in]` and `w` `[out, in]`.

@@ -18,8 +18,14 @@
 //! each chunk's products before they join the accumulator (a chunk lies inside one 128-column
 //! block).
 //!
+//! # Splits
+//! As in [`super::gemm`], a [`GemmPlan`](crate::GemmPlan) chosen from the shape may cut the chunks
+//! into equal ranges, one cube each; each range's f32 sums (row scales applied) are added in
+//! range order by a second kernel.
+//!
 //! # Batch invariance
-//! As for [`super::gemm`]: chunk order, mma tree and warp order depend only on `in`.
+//! As for [`super::gemm`]: chunk order, mma tree, warp order and split order depend only on the
+//! matrix's shape.
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Tensor};
@@ -29,7 +35,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::gemm::{MAX_ROWS, WARPS, unroll};
+use super::gemm::{MAX_ROWS, WARPS, Weights, combine_splits, plan, split_scratch};
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
 /// 16 bytes as four 32-bit registers.
@@ -59,6 +65,7 @@ fn fp8_gemm_kernel(
     w: &[Words],
     scales: &[f32],
     y: &mut [bf16],
+    parts: &mut [f32],
     rows: u32,
     x_words: u32,
     out: u32,
@@ -68,17 +75,21 @@ fn fp8_gemm_kernel(
     #[comptime] warps: usize,
     #[comptime] unroll: usize,
     #[comptime] blocked: bool,
+    #[comptime] splits: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
     let t = lane % 4;
     let block = CUBE_POS_X as usize;
+    let split = CUBE_POS_Y as usize;
     let x_words = x_words as usize;
     let w_words = x_words / 2;
     let rows = rows as usize;
     let out = out as usize;
-    let chunks = x_words / 8;
+    // This cube's range of chunks: `[first, first + chunks)`.
+    let chunks = x_words / 8 / splits;
+    let first = split * chunks;
     let scale_row = (block * 16) / 128usize * (scale_cols as usize);
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
@@ -103,8 +114,9 @@ fn fp8_gemm_kernel(
         let mut xs = Array::<Words>::new(unroll * tiles * 2);
         #[unroll]
         for u in 0..unroll {
-            let chunk = (step * unroll + u) * warps + warp;
-            if chunk < chunks {
+            let local = (step * unroll + u) * warps + warp;
+            let chunk = first + local;
+            if local < chunks {
                 wa[u] = w[w_lo + chunk * 4];
                 wb[u] = w[w_hi + chunk * 4];
             } else {
@@ -116,7 +128,7 @@ fn fp8_gemm_kernel(
                 let row = j * 8 + g;
                 #[unroll]
                 for h in 0..2usize {
-                    if chunk < chunks && row < rows {
+                    if local < chunks && row < rows {
                         xs[(u * tiles + j) * 2 + h] = x[row * x_words + chunk * 8 + 2 * t + h];
                     } else {
                         xs[(u * tiles + j) * 2 + h] = zero;
@@ -164,8 +176,9 @@ fn fp8_gemm_kernel(
             #[unroll]
             for j in 0..tiles {
                 if comptime![blocked] {
-                    let chunk = (step * unroll + u) * warps + warp;
-                    if chunk < chunks {
+                    let local = (step * unroll + u) * warps + warp;
+                    let chunk = first + local;
+                    if local < chunks {
                         let s = scales[scale_row + chunk / 2];
                         acc[j] += part[j] * Vector::<f32, Const<4>>::new(s);
                     }
@@ -213,7 +226,11 @@ fn fp8_gemm_kernel(
                 sum *= scales[col];
             }
             if row < rows {
-                y[row * out + col] = bf16::cast_from(sum);
+                if comptime![splits > 1] {
+                    parts[(split * rows + row) * out + col] = sum;
+                } else {
+                    y[row * out + col] = bf16::cast_from(sum);
+                }
             }
         }
     }
@@ -264,25 +281,34 @@ fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -
     );
     let x_words = inp / 8;
     let scale_cols = if blocked { inp.div_ceil(BLOCK) } else { 1 };
+    let plan = plan(Weights::Fp8, inp / 64, out);
+    let parts = split_scratch(&x, plan.splits, rows.min(MAX_ROWS) * out);
     let mut start = 0;
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
         let tiles = n.div_ceil(8);
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
+        // Without splits the kernel never touches `parts`: y's own buffer stands in.
+        let (parts_handle, parts_len) = match &parts {
+            Some(p) => (p.handle.clone(), plan.splits * n * out),
+            None => (y_handle.clone(), n * out / 2),
+        };
         // SAFETY: lengths are the buffers' sizes from `start` on in the kernel's units (16-byte
-        // words for x and w, f32 for scales, bf16 for y); the kernel reads x rows `< n`, w rows
-        // `< out`, scales at `row_block · scale_cols + chunk / 2 < n_scales` (blocked) or at
-        // output columns `< out = n_scales` (per row), and writes y rows `< n`.
+        // words for x and w, f32 for scales and parts, bf16 for y); the kernel reads x rows `< n`,
+        // w rows `< out`, scales at `row_block · scale_cols + chunk / 2 < n_scales` (blocked) or
+        // at output columns `< out = n_scales` (per row), and writes y rows `< n` (or parts
+        // `[splits, n, out]`).
         unsafe {
             fp8_gemm_kernel::launch_unchecked(
                 &client,
-                CubeCount::Static((out / 16) as u32, 1, 1),
+                CubeCount::Static((out / 16) as u32, plan.splits as u32, 1),
                 CubeDim::new_2d(32, WARPS as u32),
                 BufferArg::from_raw_parts(x_handle, n * x_words),
                 BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
                 BufferArg::from_raw_parts(scales.handle.clone(), n_scales),
-                BufferArg::from_raw_parts(y_handle, n * out),
+                BufferArg::from_raw_parts(y_handle.clone(), n * out),
+                BufferArg::from_raw_parts(parts_handle, parts_len),
                 n as u32,
                 x_words as u32,
                 out as u32,
@@ -290,9 +316,13 @@ fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -
                 2f32.powi(120),
                 tiles,
                 WARPS,
-                unroll(tiles),
+                plan.unroll(tiles),
                 blocked,
+                plan.splits,
             );
+        }
+        if let Some(p) = &parts {
+            combine_splits(&client, p, y_handle, n * out, plan.splits);
         }
         start += n;
     }

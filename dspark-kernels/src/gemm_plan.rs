@@ -1,0 +1,181 @@
+//! How the skinny GEMMs (bf16 and FP8 weights) cut a weight shape across cubes.
+//!
+//! The plan depends on the weight's shape only, never on the number of activation rows: the
+//! order of a row's sums follows from the plan, so a row's result stays bit-identical alone,
+//! inside a verify window or among other lanes.
+
+use std::sync::Mutex;
+
+/// Warps per cube; each takes every `WARPS`-th chunk of its cube's range of the reduction axis.
+pub(crate) const WARPS: usize = 8;
+
+/// How one weight shape is cut: `splits` cubes along the reduction axis per 16 output rows, and
+/// `depth` chunks loaded by each warp before it multiplies (for one or two activation tiles;
+/// halved for three or four, quartered beyond, so registers hold the loads).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GemmPlan {
+    /// Cubes along the reduction axis per 16 output rows (1, 2, 4 or 8).
+    pub splits: usize,
+    /// Chunks in flight per warp with one or two activation tiles (1, 2, 4 or 8).
+    pub depth: usize,
+}
+
+impl GemmPlan {
+    /// Whether the kernels take this plan for a reduction of `chunks` chunks: the splits cut
+    /// them into equal ranges, each with at least one chunk per warp.
+    pub fn fits(self, chunks: usize) -> bool {
+        matches!(self.splits, 1 | 2 | 4 | 8)
+            && matches!(self.depth, 1 | 2 | 4 | 8)
+            && chunks.is_multiple_of(self.splits)
+            && chunks / self.splits >= WARPS
+    }
+
+    /// Chunks each warp loads before it multiplies, for `tiles` activation tiles of 8 rows:
+    /// `depth` for one tile, at most 4 for two, 2 beyond (registers hold the loads; measured on
+    /// the H200, two in flight beat one for 5–8 tiles). It changes when loads are issued, never
+    /// the order of the sums, so it may follow the number of rows.
+    pub fn unroll(self, tiles: usize) -> usize {
+        match tiles {
+            0 | 1 => self.depth,
+            2 => self.depth.min(4),
+            _ => self.depth.min(2),
+        }
+    }
+}
+
+impl std::str::FromStr for GemmPlan {
+    type Err = String;
+
+    /// `SPLITSxDEPTH`, e.g. `4x8`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (a, b) =
+            s.split_once('x').ok_or_else(|| format!("plan `{s}`: expected SPLITSxDEPTH, e.g. 4x8"))?;
+        let num = |v: &str| v.trim().parse::<usize>().map_err(|e| format!("plan `{s}`: {e}"));
+        let plan = GemmPlan { splits: num(a)?, depth: num(b)? };
+        if !matches!(plan.splits, 1 | 2 | 4 | 8) || !matches!(plan.depth, 1 | 2 | 4 | 8) {
+            return Err(format!("plan `{s}`: splits and depth must each be 1, 2, 4 or 8"));
+        }
+        Ok(plan)
+    }
+}
+
+impl std::fmt::Display for GemmPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}x{}", self.splits, self.depth)
+    }
+}
+
+/// A plan forced on every product, for measuring plans against each other.
+static FORCED: Mutex<Option<GemmPlan>> = Mutex::new(None);
+
+/// Forces `plan` on every skinny GEMM (bf16 and FP8) where it [fits](GemmPlan::fits), or with
+/// `None` goes back to the plans chosen per shape. For benchmarks that compare plans
+/// (`bench-kernels --plans`); results stay batch-invariant only while the same plan is in force.
+#[doc(hidden)]
+pub fn force_plan(plan: Option<GemmPlan>) {
+    *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = plan;
+}
+
+/// Which kernel a plan is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Weights {
+    /// bf16 weights, chunks of 32 columns.
+    Bf16,
+    /// FP8 weights, chunks of 64 columns.
+    Fp8,
+}
+
+/// The plan for a weight with `out` rows and a reduction of `chunks` chunks: a function of the
+/// shape alone.
+pub fn plan(weights: Weights, chunks: usize, out: usize) -> GemmPlan {
+    if let Some(forced) = *FORCED.lock().unwrap_or_else(|e| e.into_inner())
+        && forced.fits(chunks)
+    {
+        return forced;
+    }
+    chosen(weights, chunks, out)
+}
+
+/// The choice measured on the H200 (`bench-kernels --plans`, 2026-12-03): cubes of 16 output
+/// rows are too few to keep the memory system busy below about 2 per SM, so a weight with at
+/// most 1024 outputs (64 cubes) is cut in 4 along the reduction and one with at most 4096
+/// (256 cubes: the o, down and draft fc projections) in 2; wider weights are not cut. bf16
+/// weights take 8 chunks in flight per warp; cut FP8 weights 4 (their chunks are twice as wide),
+/// whole ones 8. Where the reduction is too short for the cut, fewer splits.
+fn chosen(weights: Weights, chunks: usize, out: usize) -> GemmPlan {
+    let cubes = out / 16;
+    let mut splits = match (weights, cubes) {
+        (_, 0..=64) => 4,
+        (Weights::Bf16, 65..=256) => 2,
+        (Weights::Fp8, 65..=256) if chunks >= 192 => 2,
+        _ => 1,
+    };
+    while splits > 1 && !(GemmPlan { splits, depth: 1 }).fits(chunks) {
+        splits /= 2;
+    }
+    let depth = if weights == Weights::Fp8 && splits > 1 { 4 } else { 8 };
+    GemmPlan { splits, depth }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chosen_plans_fit_every_model_shape() {
+        // Qwen3 / DSpark widths (bf16 chunks of 32, FP8 of 64) and the tiny models'.
+        for inp in [64usize, 256, 1024, 2048, 4096, 5120, 12288, 20480, 25600] {
+            for out in [16usize, 256, 1024, 4096, 6144, 24576, 151_936] {
+                for width in [32, 64] {
+                    let chunks = inp / width;
+                    if chunks < WARPS {
+                        continue;
+                    }
+                    for weights in [Weights::Bf16, Weights::Fp8] {
+                        let p = chosen(weights, chunks, out);
+                        assert!(p.fits(chunks), "in {inp} out {out}: {p} does not fit {chunks} chunks");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn plans_parse_and_unroll() {
+        let p: GemmPlan = "4x8".parse().expect("a valid plan");
+        assert_eq!(p, GemmPlan { splits: 4, depth: 8 });
+        assert_eq!(p.to_string(), "4x8");
+        assert_eq!((p.unroll(1), p.unroll(2), p.unroll(4), p.unroll(8)), (8, 4, 2, 2));
+        assert!("3x8".parse::<GemmPlan>().is_err());
+        assert!("4".parse::<GemmPlan>().is_err());
+        assert!(p.fits(128) && !p.fits(24) && !GemmPlan { splits: 8, depth: 4 }.fits(56));
+    }
+
+    #[test]
+    fn a_forced_plan_applies_only_where_it_fits() {
+        let p = GemmPlan { splits: 8, depth: 2 };
+        force_plan(Some(p));
+        let (fits, small) = (plan(Weights::Bf16, 128, 4096), plan(Weights::Bf16, 16, 4096));
+        force_plan(None);
+        assert_eq!(fits, p);
+        assert_eq!(small, chosen(Weights::Bf16, 16, 4096));
+    }
+
+    #[test]
+    fn the_measured_choice() {
+        let bf16 = |inp: usize, out: usize| chosen(Weights::Bf16, inp / 32, out).to_string();
+        let fp8 = |inp: usize, out: usize| chosen(Weights::Fp8, inp / 64, out).to_string();
+        // Qwen3-8B: o, k/v, fused qkv, fused gate+up, down, LM head; the DSpark fc.
+        assert_eq!(
+            [bf16(4096, 4096), bf16(4096, 1024), bf16(4096, 6144), bf16(4096, 24576), bf16(12288, 4096)],
+            ["2x8", "4x8", "1x8", "1x8", "2x8"]
+        );
+        assert_eq!([bf16(4096, 151_936), bf16(20480, 4096)], ["1x8", "2x8"]);
+        assert_eq!(
+            [fp8(4096, 4096), fp8(4096, 1024), fp8(12288, 4096), fp8(20480, 4096), fp8(4096, 24576)],
+            ["1x8", "4x4", "2x4", "2x4", "1x8"]
+        );
+        // A reduction too short to cut (256 columns: 8 chunks of 32) is not cut.
+        assert_eq!(bf16(256, 768), "1x8");
+    }
+}
