@@ -118,40 +118,21 @@ impl DeviceGraph {
         }
         #[cfg(feature = "cuda")]
         {
-            use burn::backend::{Backend, Dispatch};
-            let dispatch = device.as_dispatch();
-            let backend = |e: &dyn std::fmt::Display| GraphError::Backend(e.to_string());
-            Dispatch::graph_prepare(dispatch).map_err(|e| backend(&e))?;
-            for _ in 0..WARMUPS {
-                // Held across the sync: a lazy backend skips work whose result is dropped, and
-                // the skipped work's buffers would then first be allocated inside the window.
-                let out = match body() {
-                    Ok(out) => out,
-                    Err(e) => {
-                        abandon(dispatch);
-                        return Ok(Err(e));
-                    }
-                };
-                let synced = Dispatch::sync(dispatch);
-                drop(out);
-                if let Err(e) = synced {
-                    abandon(dispatch);
-                    return Err(backend(&e));
-                }
-            }
-            Dispatch::graph_start_capture(dispatch).map_err(|e| {
-                abandon(dispatch);
-                backend(&e)
-            })?;
-            let out = body();
-            // Closing the window whatever the body answered: a stream left recording would
-            // record everything after it.
-            let graph = Dispatch::graph_stop_capture(dispatch).map_err(|e| backend(&e));
-            let out = match out {
-                Ok(out) => out,
-                Err(e) => return Ok(Err(e)),
-            };
-            Ok(Ok((Self { device: device.clone(), graph: graph? }, out)))
+            // Every buffer of the warm-ups and the recording is an exact-size persistent slice:
+            // a graph keeps what its launches touched for its life, and in CubeCL's pools that
+            // is whole pages sized to the largest activation served so far (a prefill's, a
+            // verify window's logits), one set per graph. Exact slices make a graph cost its own
+            // working set; slices the warm-ups free are reused by the recording and by later
+            // recordings of the same sizes.
+            let OnThisThread(recorded) = device
+                .memory_persistent_allocations(OnThisThread(&mut body), |OnThisThread(body)| {
+                    OnThisThread(record(device, body))
+                });
+            // What the warm-ups left that the recording did not keep (slices of sizes no later
+            // step asks for, emptied pages) goes back to the driver now rather than staying
+            // reserved for the process: a recording happens once per shape.
+            device.memory_cleanup();
+            recorded
         }
         #[cfg(not(feature = "cuda"))]
         {
@@ -181,6 +162,58 @@ impl DeviceGraph {
         #[cfg(not(feature = "cuda"))]
         Err(GraphError::Unsupported)
     }
+}
+
+/// Carries a value through [`Device::memory_persistent_allocations`], which asks for `Send`
+/// but runs its closure on the calling thread (the window is armed on the device's stream).
+#[cfg(feature = "cuda")]
+struct OnThisThread<T>(T);
+
+// SAFETY: the value never leaves the thread that made it: burn calls the closure of
+// `memory_persistent_allocations` inline and hands its output straight back.
+#[cfg(feature = "cuda")]
+unsafe impl<T> Send for OnThisThread<T> {}
+
+/// [`DeviceGraph::capture`] on CUDA: prepare, warm up, record.
+#[cfg(feature = "cuda")]
+fn record<T, E>(
+    device: &Device,
+    body: &mut impl FnMut() -> Result<T, E>,
+) -> Result<Result<(DeviceGraph, T), E>, GraphError> {
+    use burn::backend::{Backend, Dispatch};
+    let dispatch = device.as_dispatch();
+    let backend = |e: &dyn std::fmt::Display| GraphError::Backend(e.to_string());
+    Dispatch::graph_prepare(dispatch).map_err(|e| backend(&e))?;
+    for _ in 0..WARMUPS {
+        // Held across the sync: a lazy backend skips work whose result is dropped, and
+        // the skipped work's buffers would then first be allocated inside the window.
+        let out = match body() {
+            Ok(out) => out,
+            Err(e) => {
+                abandon(dispatch);
+                return Ok(Err(e));
+            }
+        };
+        let synced = Dispatch::sync(dispatch);
+        drop(out);
+        if let Err(e) = synced {
+            abandon(dispatch);
+            return Err(backend(&e));
+        }
+    }
+    Dispatch::graph_start_capture(dispatch).map_err(|e| {
+        abandon(dispatch);
+        backend(&e)
+    })?;
+    let out = body();
+    // Closing the window whatever the body answered: a stream left recording would
+    // record everything after it.
+    let graph = Dispatch::graph_stop_capture(dispatch).map_err(|e| backend(&e));
+    let out = match out {
+        Ok(out) => out,
+        Err(e) => return Ok(Err(e)),
+    };
+    Ok(Ok((DeviceGraph { device: device.clone(), graph: graph? }, out)))
 }
 
 /// Close a prepared capture that never opened, so the stream returns to normal.
@@ -225,7 +258,7 @@ pub fn write_floats_into(dst: Tensor<1>, src: Tensor<1>) -> Tensor<1> {
     #[cfg(feature = "cuda")]
     if crate::kernels_available(&dst.device())
         && src.dtype() == dst.dtype()
-        && (n * src.dtype().size()) % 4 == 0
+        && (n * src.dtype().size()).is_multiple_of(4)
     {
         return crate::cuda::copy::write_floats_into(dst, src.narrow(0, 0, n));
     }
@@ -236,7 +269,9 @@ pub fn write_floats_into(dst: Tensor<1>, src: Tensor<1>) -> Tensor<1> {
 /// so what a forward hands out is copied first. Off CUDA (where nothing is replayed) `x` itself.
 pub fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "cuda")]
-    if crate::kernels_available(&x.device()) && (x.shape().num_elements() * x.dtype().size()) % 4 == 0 {
+    if crate::kernels_available(&x.device())
+        && (x.shape().num_elements() * x.dtype().size()).is_multiple_of(4)
+    {
         return crate::cuda::copy::fresh_copy(x);
     }
     x

@@ -460,6 +460,8 @@ impl DSparkDraft {
         } else {
             None
         };
+        // As for the target: the construction's temporaries go back to the driver.
+        device.memory_cleanup();
         Ok(Self {
             device_markov,
             layer_ids,
@@ -525,6 +527,9 @@ impl DSparkDraft {
         }
         let newly = self.layers.len() * 7 + 1 - self.fp8.total();
         self.fp8.quantized_at_load += newly;
+        // The bf16 projections and the quantiser's temporaries are gone: hand their memory back
+        // instead of leaving it reserved in the pools for the draft's life.
+        self.device.memory_cleanup();
         tracing::info!(
             newly,
             kept_as_fp8 = self.fp8_on_device(),
@@ -547,6 +552,8 @@ impl DSparkDraft {
         if !self.fp8_lm_head {
             self.lm_head = self.lm_head.quantized()?;
             self.fp8_lm_head = true;
+            // The quantiser's temporaries (f32 rows of a 1.2 GB head) are gone: give them back.
+            self.device.memory_cleanup();
         }
         Ok(self.lm_head.bytes())
     }

@@ -162,6 +162,9 @@ impl Qwen3 {
     ) -> Self {
         let rope = Rope::new(config.rope_theta_value().unwrap_or(1e6), config.head_dim());
         let head = Proj::new(lm_head.clone().unwrap_or_else(|| embed_tokens.clone()));
+        // Building the weights left temporaries (f32 copies before a cast, host-to-device
+        // staging) reserved in the allocator's pools; give them back before serving.
+        device.memory_cleanup();
         Self {
             config,
             dtype,
