@@ -456,6 +456,10 @@ impl Qwen3 {
         let scratch = if super::graphs::padded_rows(real) > real { cache.scratch_row() } else { None };
         let rows = scratch.map_or(real, |_| super::graphs::padded_rows(real));
         let pad_row = scratch.map_or(0, |r| r as i64);
+        // Logits of every real row (a verify window): the padding rows' logits are computed too
+        // and dropped below, so windows of 3 and 4 rows share one recorded shape.
+        let all_rows = picks == real && rows > real;
+        let (picks, pick) = if all_rows { (rows, &[][..]) } else { (picks, pick) };
         let mut ints = Vec::with_capacity(3 * rows + picks);
         ints.extend_from_slice(tokens);
         ints.resize(rows, 0);
@@ -464,9 +468,7 @@ impl Qwen3 {
         ints.extend_from_slice(&plan.new_rows);
         ints.resize(3 * rows, pad_row);
         let pick_rows = picks > 0 && picks < rows;
-        if pick_rows && picks == real {
-            ints.extend(0..real as i64);
-        } else if pick_rows {
+        if pick_rows {
             ints.extend_from_slice(pick);
         }
         let mut detail = vec![picks];
@@ -495,6 +497,7 @@ impl Qwen3 {
                 let features =
                     (!capture.is_empty()).then(|| outs.pop()).flatten().map(|f| f.narrow(0, 0, real));
                 let logits = (picks > 0).then(|| outs.pop()).flatten();
+                let logits = if all_rows { logits.map(|l| l.narrow(0, 0, real)) } else { logits };
                 Recorded::Done(Box::new((logits, features)))
             }
             Ran::NotRecorded => Recorded::No(plan),
