@@ -472,3 +472,21 @@ fn the_committed_cpu_cost_table_loads() {
     let earlier: Vec<&[f32]> = vec![&[0.9; 8]];
     assert!((1..=9).contains(&choose_budget(&t, &earlier, 8)));
 }
+
+/// The table measured on the H200 (Qwen3-8B shapes, random weights) loads, and the budgets it
+/// implies are the ones its markdown twin reports (`benches/results/cost-tables/h200-qwen3-8b-bf16.md`).
+#[test]
+fn the_committed_h200_cost_table_loads() {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../benches/results/cost-tables/h200-qwen3-8b-bf16.json");
+    let t = CostTable::load(&path).unwrap();
+    assert_eq!((t.meta().device.as_str(), t.meta().gamma), ("cuda:0", Some(7)));
+    assert_eq!(t.verify_points().first().map(|v| v.tokens), Some(1));
+    assert_eq!(t.verify_points().last().map(|v| v.tokens), Some(64));
+    // One lane: confident drafts get the whole window, doubtful ones less.
+    assert_eq!(choose_budget(&t, &[&[0.99; 7]], 7), 8);
+    assert_eq!(choose_budget(&t, &[&[0.5; 7]], 7), 6);
+    // Eight lanes at c = 0.9: 4 rows each (32), where the verify step is still cheap.
+    let eight: Vec<&[f32]> = vec![&[0.9; 7]; 8];
+    assert_eq!(choose_budget(&t, &eight, 7), 32);
+}
