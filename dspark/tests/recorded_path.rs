@@ -87,6 +87,20 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
     assert_eq!(target.recorded_shapes(), 2, "only the shapes seen twice are recorded");
     pass(&mut kv);
     assert_eq!(target.recorded_shapes(), 16, "18 shapes seen twice, at most 16 recorded");
+    // 4. Verify windows padded to the same row count are one shape whatever their real rows:
+    //    a 3-row and a 4-row window with every row's logits make one shape seen twice.
+    let target = load();
+    let mut kv = PagedKvCache::new(target.kv_layout(16), 8 << 20, target.device()).unwrap();
+    for rows in [3usize, 4] {
+        let seq = kv.allocate();
+        let tokens = vec![5; rows];
+        let out = target
+            .forward(&[SeqChunk { seq, tokens: &tokens, logits: LogitRows::All }], &[], &mut kv)
+            .unwrap();
+        assert_eq!(out.logits.map(|l| l.dims()[0]), Some(rows), "a {rows}-row window's logits");
+        kv.free(seq).unwrap();
+    }
+    assert_eq!(target.recorded_shapes(), 1, "windows of 3 and 4 rows share the padded shape");
     dspark_kernels::set_graph_emulation(false);
     dspark_kernels::set_paged_reference(false);
 
