@@ -39,9 +39,7 @@ use half::bf16;
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
 type Words = Vector<u32, Const<4>>;
 
-pub(crate) use crate::gemm_plan::WARPS;
-
-pub(crate) use crate::gemm_plan::{Weights, plan};
+pub(crate) use crate::gemm_plan::{WARPS, Weights, plan};
 /// Most activation rows one launch handles (8 per mma tile); larger calls are split on the host.
 pub(crate) const MAX_ROWS: usize = 64;
 
