@@ -45,6 +45,19 @@ fn unpack(word: u32) -> (f32, f32) {
 const MAX_SPLITS: usize = 32;
 /// Fewest keys of a split (a multiple of [`KEY_GROUPS`]).
 const MIN_CHUNK: usize = 32;
+/// Query rows per launch: a long prefill or context extension runs in launches of this many
+/// rows that share one scratch buffer, so its scratch is that of a verify window (at most
+/// `64 · heads · MAX_SPLITS · head_dim` f32: 33.5 MB at Qwen3-8B shapes) instead of growing
+/// with the rows (449 MB for 856 rows), which would also set the page size of the device
+/// memory pools. A row's result does not depend on the launch it runs in.
+const ROWS_PER_LAUNCH: usize = 64;
+
+/// Splits any row of a call can have when every row reads at most `n_keys` keys: the slots
+/// per (row, head) in the scratch. A function of the table's length only (the scratch layout;
+/// never the arithmetic, which [`split_chunk`] alone fixes).
+fn split_stride(n_keys: usize) -> usize {
+    n_keys.div_ceil(MIN_CHUNK).clamp(1, MAX_SPLITS)
+}
 
 /// Keys per split of a row with `count` visible keys: a function of `count` alone, so a row's
 /// reduction order never depends on the rows beside it.
@@ -63,9 +76,10 @@ fn split_chunk(count: usize) -> usize {
 /// `s·chunk .. (s + 1)·chunk` and writes its unnormalised accumulator to `part` and its running
 /// max and sum to `ml`, for [`combine_kernel`].
 ///
-/// `q`: `[rows, heads, head_dim]`, `k`/`v`: `[pool_rows, kv_heads, head_dim]`, bf16,
-/// contiguous; `keys`: physical pool rows (i32); `meta`: `[rows, 2]` (i32); `part`:
-/// `[rows, heads, MAX_SPLITS, head_dim]` f32; `ml`: `[rows, heads, MAX_SPLITS, 2]` f32.
+/// Cube `x` serves query row `row0 + x`. `q`: `[rows, heads, head_dim]`, `k`/`v`:
+/// `[pool_rows, kv_heads, head_dim]`, bf16, contiguous; `keys`: physical pool rows (i32);
+/// `meta`: `[rows, 2]` (i32); `part`: `[launch rows, heads, stride, head_dim]` f32; `ml`:
+/// `[launch rows, heads, stride, 2]` f32.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn paged_attention_split_kernel(
@@ -76,14 +90,18 @@ fn paged_attention_split_kernel(
     meta: &[i32],
     part: &mut [f32],
     ml: &mut [f32],
+    row0: u32,
+    stride: u32,
     kv_heads: u32,
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] groups: usize,
 ) {
-    let row = CUBE_POS_X as usize;
+    let local = CUBE_POS_X as usize;
+    let row = row0 as usize + local;
     let kvh = CUBE_POS_Y as usize;
     let split = CUBE_POS_Z as usize;
+    let stride = stride as usize;
     let lane = UNIT_POS_X;
     let head = kvh * groups + UNIT_POS_Y as usize;
     let kv_heads = kv_heads as usize;
@@ -186,7 +204,7 @@ fn paged_attention_split_kernel(
         }
 
         // 4. Key group 0 writes its quarter of the split's state.
-        let slot = (row * heads + head) * MAX_SPLITS + split;
+        let slot = (local * heads + head) * stride + split;
         if kg == 0 {
             let p_base = slot * head_dim + dq * (head_dim / 4);
             #[unroll]
@@ -201,18 +219,33 @@ fn paged_attention_split_kernel(
     }
 }
 
-/// `out[r, h, d]`: the splits of row `r`, head `h` merged in split order (thread `d` of cube
-/// `(r, h)`), normalised, rounded to bf16.
+/// `out[r, h, d]`: the splits of row `r = row0 + x`, head `h` merged in split order (thread
+/// `d` of cube `(x, h)`), normalised, rounded to bf16.
 #[cube(launch_unchecked)]
-fn combine_kernel(part: &[f32], ml: &[f32], meta: &[i32], out: &mut [bf16], #[comptime] head_dim: usize) {
-    let row = CUBE_POS_X as usize;
+fn combine_kernel(
+    part: &[f32],
+    ml: &[f32],
+    meta: &[i32],
+    out: &mut [bf16],
+    row0: u32,
+    stride: u32,
+    #[comptime] head_dim: usize,
+) {
+    let local = CUBE_POS_X as usize;
+    let row = row0 as usize + local;
     let head = CUBE_POS_Y as usize;
     let heads = CUBE_COUNT_Y as usize;
     let d = UNIT_POS_X as usize;
+    let stride = stride as usize;
     let count = meta[2 * row + 1] as usize;
     let chunk = split_chunk(count);
-    let splits = (count + chunk - 1) / chunk;
-    let base = (row * heads + head) * MAX_SPLITS;
+    let mut splits = (count + chunk - 1) / chunk;
+    // Only a row reading past the key table could have more (the launch's contract rules it
+    // out); never read past the scratch.
+    if splits > stride {
+        splits = stride;
+    }
+    let base = (local * heads + head) * stride;
     let mut big = f32::new(f32::NEG_INFINITY);
     for s in 0..splits {
         big = max(big, ml[2 * (base + s)]);
@@ -288,41 +321,55 @@ fn launch(q: CubeTensor, k: CubeTensor, v: CubeTensor, keys: CubeTensor, meta: C
             DType::F32,
         )
     };
-    let part = scratch(rows * heads * MAX_SPLITS * head_dim);
-    let ml = scratch(rows * heads * MAX_SPLITS * 2);
-    // SAFETY: lengths are the buffers' sizes in the kernel's units; the split kernel reads q rows
-    // `< rows`, pool rows named in `keys` (the caller's page tables, all `< pool_rows`), `keys`
-    // entries `meta[2r] .. meta[2r] + meta[2r + 1]` (within `keys` by construction of the plan),
-    // and writes slots `< rows · heads · MAX_SPLITS` of `part` and `ml`; the combine reads the
-    // slots the splits of each row wrote (the same `split_chunk` of the same count) and writes
-    // `out` within `[rows, heads, head_dim]`.
-    unsafe {
-        paged_attention_split_kernel::launch_unchecked(
-            &client,
-            CubeCount::Static(rows as u32, kv_heads as u32, MAX_SPLITS as u32),
-            CubeDim::new_2d(32, groups as u32),
-            BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim / 8),
-            BufferArg::from_raw_parts(k.handle.clone(), pool_words),
-            BufferArg::from_raw_parts(v.handle.clone(), pool_words),
-            BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
-            BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
-            BufferArg::from_raw_parts(part.handle.clone(), rows * heads * MAX_SPLITS * head_dim),
-            BufferArg::from_raw_parts(ml.handle.clone(), rows * heads * MAX_SPLITS * 2),
-            kv_heads as u32,
-            1.0 / (head_dim as f32).sqrt(),
-            head_dim,
-            groups,
-        );
-        combine_kernel::launch_unchecked(
-            &client,
-            CubeCount::Static(rows as u32, heads as u32, 1),
-            CubeDim::new_1d(head_dim as u32),
-            BufferArg::from_raw_parts(part.handle.clone(), rows * heads * MAX_SPLITS * head_dim),
-            BufferArg::from_raw_parts(ml.handle.clone(), rows * heads * MAX_SPLITS * 2),
-            BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
-            BufferArg::from_raw_parts(out.handle.clone(), rows * heads * head_dim),
-            head_dim,
-        );
+    let stride = split_stride(n_keys);
+    let launch_rows = rows.min(ROWS_PER_LAUNCH);
+    let part_len = launch_rows * heads * stride * head_dim;
+    let ml_len = launch_rows * heads * stride * 2;
+    let part = scratch(part_len);
+    let ml = scratch(ml_len);
+    for row0 in (0..rows).step_by(ROWS_PER_LAUNCH) {
+        let n = launch_rows.min(rows - row0);
+        // SAFETY: lengths are the buffers' sizes in the kernel's units; the split kernel reads q
+        // rows `row0 .. row0 + n < rows`, pool rows named in `keys` (the caller's page tables,
+        // all `< pool_rows`), `keys` entries `meta[2r] .. meta[2r] + meta[2r + 1]` (within `keys`
+        // by construction of the plan, so a row has at most `split_stride(n_keys)` splits: its
+        // chunk is at least MIN_CHUNK keys), and writes slots `< n · heads · stride` of `part`
+        // and `ml` (split `< stride`: the grid's z); the combine reads the slots the splits of
+        // each row wrote (the same `split_chunk` of the same count, at most `stride`) and writes
+        // rows `row0 .. row0 + n` of `out` within `[rows, heads, head_dim]`. Launches of one
+        // call run in order on one stream, so each finds the scratch free.
+        unsafe {
+            paged_attention_split_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static(n as u32, kv_heads as u32, stride as u32),
+                CubeDim::new_2d(32, groups as u32),
+                BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim / 8),
+                BufferArg::from_raw_parts(k.handle.clone(), pool_words),
+                BufferArg::from_raw_parts(v.handle.clone(), pool_words),
+                BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
+                BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
+                BufferArg::from_raw_parts(part.handle.clone(), part_len),
+                BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
+                row0 as u32,
+                stride as u32,
+                kv_heads as u32,
+                1.0 / (head_dim as f32).sqrt(),
+                head_dim,
+                groups,
+            );
+            combine_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static(n as u32, heads as u32, 1),
+                CubeDim::new_1d(head_dim as u32),
+                BufferArg::from_raw_parts(part.handle.clone(), part_len),
+                BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
+                BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
+                BufferArg::from_raw_parts(out.handle.clone(), rows * heads * head_dim),
+                row0 as u32,
+                stride as u32,
+                head_dim,
+            );
+        }
     }
     out
 }
