@@ -144,8 +144,9 @@ pub fn swiglu_cols(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width
 
 /// Index of each row's largest value, the lowest on ties (NaN skipped; 0 when nothing exceeds
 /// −∞): greedy decoding's choice, as [`reference::argmax_rows`] makes it. On CUDA for f32 rows it
-/// is one kernel (a cube per row) whose result is exact whatever the split, and only the ids
-/// need to leave the device.
+/// is two launches (row segments of 4096 in parallel, then one warp per row merging their
+/// candidates) whose result is exact whatever the cut, and only the ids need to leave the
+/// device.
 ///
 /// # Shapes
 /// `x`: `[rows, width]` → `[rows]`.

@@ -246,8 +246,17 @@ fn paged_attention_matches_reference() {
     // (heads, kv_heads, head_dim): Qwen3-8B, and a narrower GQA layout.
     for &(heads, kv_heads, head_dim) in &[(32, 8, 128), (8, 2, 64)] {
         let pool_rows = 4096;
-        // A decode row, a causal verify window, a draft block (all keys), a long context.
-        let lanes = [(1, 1, true), (37, 8, true), (300, 8, false), (1500, 1, true), (2000, 17, true)];
+        // A decode row, a causal verify window, a draft block (all keys), a long context, and a
+        // 150-row prefill: the call spans three launches of at most 64 rows, and alone the lanes
+        // get scratch strides of 1 to 32 splits (their key tables' lengths).
+        let lanes = [
+            (1, 1, true),
+            (37, 8, true),
+            (300, 8, false),
+            (1500, 1, true),
+            (2000, 17, true),
+            (200, 150, true),
+        ];
         let (keys, meta, ranges) = plan(&lanes, pool_rows, 7);
         let rows: usize = lanes.iter().map(|l| l.1).sum();
         let k_pool =
@@ -482,7 +491,8 @@ fn swiglu_matches_reference() {
 #[test]
 fn argmax_rows_matches_reference() {
     let device = cuda();
-    for &(rows, width) in &[(1usize, 151_936usize), (8, 151_936), (17, 1000), (64, 4096), (3, 7)] {
+    // Rows of one to 38 segments of 4096, the last one partial (8193: a single element).
+    for &(rows, width) in &[(1usize, 151_936usize), (8, 151_936), (17, 1000), (64, 4096), (3, 7), (3, 8193)] {
         // bf16-rounded values: ties among the largest are common, as in real logits.
         let x = random(rows, width, 3.0, &device).cast(DType::F32);
         let mut h = host(x.clone());
@@ -496,6 +506,11 @@ fn argmax_rows_matches_reference() {
         if rows > 2 {
             h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
         }
+        if rows > 2 && width > 8192 {
+            // A whole segment of NaN in row 1, and its maximum in the last, one-element segment.
+            h[width..width + 4096].iter_mut().for_each(|v| *v = f32::NAN);
+            h[2 * width - 1] = 1e30;
+        }
         let x = Tensor::<2>::from_data(burn::tensor::TensorData::new(h.clone(), [rows, width]), &device);
         poison(rows * 2, &device);
         let got =
@@ -508,6 +523,10 @@ fn argmax_rows_matches_reference() {
         assert_eq!(got, want, "argmax rows {rows} x {width}");
         if width > 10 {
             assert_eq!(got[0], 5, "the lowest index of a tie");
+        }
+        if rows > 2 && width > 8192 {
+            assert_eq!(got[1], width as i64 - 1, "a maximum after a segment of NaN");
+            assert_eq!(got[2], 0, "a row of −∞");
         }
     }
 }

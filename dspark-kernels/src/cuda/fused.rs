@@ -475,83 +475,149 @@ fn better(v: f32, i: u32, v_o: f32, i_o: u32) -> (f32, u32) {
     (out_v, out_i)
 }
 
-/// The index of each row's largest value, the lowest on ties, NaN skipped, 0 when no value
-/// exceeds −∞ (the host `argmax` of `dspark::sampling`). One cube per row; each thread scans
-/// its strided elements in increasing order, then the candidates merge by an order-free rule,
-/// so the result is exact and the same however the work is split.
-#[cube(launch_unchecked)]
-fn argmax_kernel(x: &[f32], out: &mut [i32], width: u32) {
-    let row = CUBE_POS_X as usize;
-    let tid = UNIT_POS;
-    let width = width as usize;
-    let mut best_v = f32::new(f32::NEG_INFINITY);
-    // No candidate yet: an index no row has.
-    let mut best_i = 0xFFFF_FFFFu32;
-    let mut i = tid as usize;
-    while i < width {
-        let v = x[row * width + i];
-        if v > best_v {
-            best_v = v;
-            best_i = i as u32;
-        }
-        i += ARGMAX_THREADS;
-    }
+/// Elements each thread of an argmax cube scans (independent loads in flight).
+const ARGMAX_PER_THREAD: usize = 16;
+/// Elements of a row one argmax cube scans: a 151 936-wide vocabulary row is 38 cubes.
+const ARGMAX_SEGMENT: usize = ARGMAX_THREADS * ARGMAX_PER_THREAD;
+/// Merge the candidates of a warp by butterfly shuffles (every lane ends with the warp's best).
+#[cube]
+fn warp_best(v: f32, i: u32) -> (f32, u32) {
+    let mut best_v = v;
+    let mut best_i = i;
     #[unroll]
     for level in 0..5u32 {
         let mask = 1u32 << level;
-        let (v, j) = better(best_v, best_i, plane_shuffle_xor(best_v, mask), plane_shuffle_xor(best_i, mask));
-        best_v = v;
-        best_i = j;
+        let (nv, ni) =
+            better(best_v, best_i, plane_shuffle_xor(best_v, mask), plane_shuffle_xor(best_i, mask));
+        best_v = nv;
+        best_i = ni;
     }
+    (best_v, best_i)
+}
+
+/// First pass of the argmax: cube `(s, r)` finds the largest value of segment `s` of row `r`
+/// (elements `s·SEGMENT ..`), the lowest index on ties, NaN skipped, and writes the candidate
+/// (index `u32::MAX` when nothing in the segment exceeds −∞) to slot `r·segs + s`. Each thread scans
+/// its elements in increasing order; candidates then merge by an order-free rule, so the result
+/// is exact and the same however the row is cut.
+#[cube(launch_unchecked)]
+fn argmax_partial_kernel(x: &[f32], part_v: &mut [f32], part_i: &mut [u32], width: u32) {
+    let seg = CUBE_POS_X as usize;
+    let segs = CUBE_COUNT_X as usize;
+    let row = CUBE_POS_Y as usize;
+    let tid = UNIT_POS as usize;
+    let width = width as usize;
+    let start = seg * ARGMAX_SEGMENT;
+    let mut best_v = f32::new(f32::NEG_INFINITY);
+    // No candidate yet: an index no row has.
+    let mut best_i = 0xFFFF_FFFFu32;
+    #[unroll]
+    for j in 0..ARGMAX_PER_THREAD {
+        let i = start + j * ARGMAX_THREADS + tid;
+        if i < width {
+            let v = x[row * width + i];
+            if v > best_v {
+                best_v = v;
+                best_i = i as u32;
+            }
+        }
+    }
+    let (wv, wi) = warp_best(best_v, best_i);
     let mut values = Shared::<[f32]>::new_slice(ARGMAX_THREADS / 32);
     let mut indices = Shared::<[u32]>::new_slice(ARGMAX_THREADS / 32);
     if tid % 32 == 0 {
-        values[(tid / 32) as usize] = best_v;
-        indices[(tid / 32) as usize] = best_i;
+        values[tid / 32] = wv;
+        indices[tid / 32] = wi;
     }
     sync_cube();
     if tid == 0 {
         let mut v = values[0];
-        let mut j = indices[0];
+        let mut k = indices[0];
         #[unroll]
         for w in 1..ARGMAX_THREADS / 32 {
-            let (nv, nj) = better(v, j, values[w], indices[w]);
+            let (nv, nk) = better(v, k, values[w], indices[w]);
             v = nv;
-            j = nj;
+            k = nk;
         }
+        part_v[row * segs + seg] = v;
+        part_i[row * segs + seg] = k;
+    }
+}
+
+/// Second pass: one warp per row merges the row's `segs` candidates; 0 when there is none (no
+/// value exceeds −∞), as the host `argmax` of `dspark::sampling` answers.
+#[cube(launch_unchecked)]
+fn argmax_merge_kernel(part_v: &[f32], part_i: &[u32], out: &mut [i32], segs: u32) {
+    let row = CUBE_POS_X as usize;
+    let lane = UNIT_POS as usize;
+    let segs = segs as usize;
+    let mut v = f32::new(f32::NEG_INFINITY);
+    let mut k = 0xFFFF_FFFFu32;
+    let mut s = lane;
+    while s < segs {
+        let (nv, nk) = better(v, k, part_v[row * segs + s], part_i[row * segs + s]);
+        v = nv;
+        k = nk;
+        s += 32;
+    }
+    let (_, best) = warp_best(v, k);
+    if lane == 0 {
         let mut result = 0i32;
-        if j != 0xFFFF_FFFFu32 {
-            result = j as i32;
+        if best != 0xFFFF_FFFFu32 {
+            result = best as i32;
         }
         out[row] = result;
     }
 }
 
-/// Argmax rows: f32 `[rows, width]` on CUDA.
+/// Argmax rows: f32 `[rows, width]` on CUDA (rows within a grid's y extent).
 pub(crate) fn takes_argmax(x: &Tensor<2>) -> bool {
     let [rows, width] = x.dims();
-    rows > 0 && width > 0 && width < i32::MAX as usize && x.dtype() == DType::F32 && on_cuda(x)
+    rows > 0
+        && rows <= 65_535
+        && width > 0
+        && width < i32::MAX as usize
+        && x.dtype() == DType::F32
+        && on_cuda(x)
 }
 
 fn launch_argmax(x: CubeTensor) -> CubeTensor {
     let x = burn_cubecl::kernel::into_contiguous(x);
     let [rows, width] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let segs = width.div_ceil(ARGMAX_SEGMENT);
     let client = x.client.clone();
-    let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
-        client.clone(),
-        x.device.clone(),
-        [rows].into(),
-        DType::I32,
-    );
-    // SAFETY: cube r reads row r of x (`rows·width` f32) and writes out[r] (`rows` i32).
+    let buffer = |len: usize, dtype: DType| {
+        burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+            client.clone(),
+            x.device.clone(),
+            [len].into(),
+            dtype,
+        )
+    };
+    let out = buffer(rows, DType::I32);
+    let part_v = buffer(rows * segs, DType::F32);
+    let part_i = buffer(rows * segs, DType::U32);
+    // SAFETY: cube (s, r) of the first pass reads elements `s·SEGMENT ..` below `width` of row
+    // r of x (`rows·width` f32) and writes slot `r·segs + s` of each candidate buffer
+    // (`rows·segs`); the second pass reads row r's `segs` slots and writes out[r] (`rows` i32).
     unsafe {
-        argmax_kernel::launch_unchecked(
+        argmax_partial_kernel::launch_unchecked(
             &client,
-            CubeCount::Static(rows as u32, 1, 1),
+            CubeCount::Static(segs as u32, rows as u32, 1),
             CubeDim::new_1d(ARGMAX_THREADS as u32),
             BufferArg::from_raw_parts(x.handle.clone(), rows * width),
-            BufferArg::from_raw_parts(out.handle.clone(), rows),
+            BufferArg::from_raw_parts(part_v.handle.clone(), rows * segs),
+            BufferArg::from_raw_parts(part_i.handle.clone(), rows * segs),
             width as u32,
+        );
+        argmax_merge_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(rows as u32, 1, 1),
+            CubeDim::new_1d(32),
+            BufferArg::from_raw_parts(part_v.handle.clone(), rows * segs),
+            BufferArg::from_raw_parts(part_i.handle.clone(), rows * segs),
+            BufferArg::from_raw_parts(out.handle.clone(), rows),
+            segs as u32,
         );
     }
     out
