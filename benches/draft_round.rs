@@ -22,12 +22,16 @@
 #[allow(dead_code)]
 #[path = "workload/memory.rs"]
 mod memory;
+#[path = "profile.rs"]
+mod profile;
 #[path = "shapes.rs"]
 mod shapes;
+#[path = "spans.rs"]
+mod spans;
 
 use std::time::Instant;
 
-use burn::tensor::{Device, Distribution, Int, Tensor, TensorCreationOptions};
+use burn::tensor::{Device, Distribution, Tensor, TensorCreationOptions};
 use clap::Parser;
 use dspark::{
     ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, KvCache, LogitRows, PagedKvCache, ProposeLane,
@@ -70,6 +74,51 @@ struct Args {
     /// Acceptance lengths τ at which to report the implied speedup.
     #[arg(long, value_delimiter = ',', default_value = "3.35,6.0")]
     tau: Vec<f64>,
+    /// Phases to run once more inside a profiling window (see `profile.rs`), after they are
+    /// timed: `step` (target one-row step), `verify` (γ + 1 rows), `extend` (4 rows), `propose`
+    /// (greedy), `propose-sampled` (T = 1). Run under `ncu --profile-from-start off` to see each kernel of one phase.
+    #[arg(long, value_delimiter = ',')]
+    profile: Vec<String>,
+    /// After each phase is timed, run it `--reps` times more and print the host time inside each
+    /// of the library's spans (`spans.rs`) beside the phase's wall time.
+    #[arg(long)]
+    spans: bool,
+}
+
+/// After a phase is timed: once more inside the profiling window when `--profile` names
+/// `phase`; `--reps` times more with the library's spans timed when `--spans` is on.
+fn profiled(
+    args: &Args,
+    device: &Device,
+    spans: Option<&spans::SpanTimes>,
+    phase: &str,
+    mut f: impl FnMut() -> dspark::Result<()>,
+) -> dspark::Result<()> {
+    if args.profile.iter().any(|p| p == phase) {
+        sync(device);
+        profile::start().map_err(dspark::Error::Backend)?;
+        f()?;
+        sync(device);
+        profile::stop().map_err(dspark::Error::Backend)?;
+        eprintln!("profiled one {phase}");
+    }
+    if let Some(times) = spans {
+        sync(device);
+        times.reset();
+        let mut wall = 0.0;
+        for _ in 0..args.reps {
+            let t = Instant::now();
+            f()?;
+            sync(device);
+            wall += t.elapsed().as_secs_f64();
+        }
+        println!(
+            "{}| wall, synchronised after each run | | {:.1} |\n",
+            times.table(phase, args.reps),
+            wall * 1e6 / args.reps as f64
+        );
+    }
+    Ok(())
 }
 
 fn sync(device: &Device) {
@@ -116,6 +165,8 @@ fn memory_at(stage: &str, meter: &memory::Meter, device: &Device) {
 
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
+    let span_times = if args.spans { spans::SpanTimes::install() } else { None };
+    let spans = span_times.as_ref();
     let meter = memory::Meter::start(&args.device).map_err(dspark::Error::InvalidInput)?;
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
@@ -140,7 +191,7 @@ fn main() -> dspark::Result<()> {
     let mut step = |tokens: &[u32]| -> dspark::Result<()> {
         let len = cache.len(seq)?;
         let out = target.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], &mut cache)?;
-        let ids: Tensor<2, Int> = out.logits.expect("logits").argmax(1);
+        let ids = dspark_kernels::argmax_rows(out.logits.expect("logits"));
         let _ = ids.into_data();
         cache.truncate(seq, len)
     };
@@ -164,9 +215,17 @@ fn main() -> dspark::Result<()> {
             return Err(dspark::Error::InvalidInput(format!("--graphs {mode:?}: expected on or off")));
         }
     }
+    for phase in &args.profile {
+        if !["step", "verify", "extend", "propose", "propose-sampled"].contains(&phase.as_str()) {
+            return Err(dspark::Error::InvalidInput(format!(
+                "--profile {phase:?}: expected step, verify, extend, propose or propose-sampled"
+            )));
+        }
+    }
     for mode in &args.graphs {
         dspark_kernels::set_graphs_enabled(mode == "on");
         let one_row = time(&device, args.warmup, args.reps, || step(&[11]))?;
+        profiled(&args, &device, spans, "step", || step(&[11]))?;
         eprintln!("graphs {mode}: target one-row step {:.2} ms", one_row * 1e3);
         memory_at("target steps", &meter, &device);
         for (spec, weights) in args.layouts.iter().flat_map(|l| args.weights.iter().map(move |w| (l, w))) {
@@ -180,6 +239,7 @@ fn main() -> dspark::Result<()> {
             draft_config.enable_confidence_head = confidence;
             let window: Vec<u32> = (0..=gamma as u32).map(|i| (101 + 7 * i) % vocab).collect();
             let verify = time(&device, args.warmup, args.reps, || step(&window))?;
+            profiled(&args, &device, spans, "verify", || step(&window))?;
             memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
             let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
             let t = Instant::now();
@@ -231,15 +291,19 @@ fn main() -> dspark::Result<()> {
                 }
                 median(times)
             };
+            let f = features(4);
+            profiled(&args, &device, spans, "extend", || draft.extend_context(dseq, f.clone()))?;
             let greedy = SamplingParams::greedy(gamma);
             let sampled = SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy(gamma) };
-            let mut propose = |params: &SamplingParams| -> dspark::Result<f64> {
+            let mut propose = |params: &SamplingParams, phase: &str| -> dspark::Result<f64> {
                 let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
-                time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))
+                let t = time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))?;
+                profiled(&args, &device, spans, phase, || draft.propose(&lane).map(|_| ()))?;
+                Ok(t)
             };
-            let p_greedy = propose(&greedy)?;
+            let p_greedy = propose(&greedy, "propose")?;
             memory_at("greedy proposals", &meter, &device);
-            let p_sampled = propose(&sampled)?;
+            let p_sampled = propose(&sampled, "propose-sampled")?;
             memory_at("sampled proposals", &meter, &device);
             let round = extend + p_greedy + verify;
             let mut row = format!(

@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Device, Distribution, Int, Tensor, TensorCreationOptions};
+use burn::tensor::{Device, Distribution, Tensor, TensorCreationOptions};
 use clap::Parser;
 use dspark::{ComputeDtype, DeviceKind, KvCache, LogitRows, PagedKvCache, Qwen3, Qwen3Config, SeqChunk};
 
@@ -123,7 +123,7 @@ fn main() -> dspark::Result<()> {
                 .collect();
             let out = model.forward(&chunks, &[], &mut cache)?;
             let logits = out.logits.expect("logits requested");
-            let ids: Tensor<2, Int> = logits.argmax(1);
+            let ids = dspark_kernels::argmax_rows(logits);
             let ids = ids.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
             next = ids.iter().map(|&i| [i as u32]).collect();
             let elapsed = t.elapsed().as_secs_f64();
@@ -181,7 +181,7 @@ fn verify_windows(
         sync(device);
         let t = Instant::now();
         let out = model.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], cache)?;
-        let ids: Tensor<2, Int> = out.logits.expect("logits requested").argmax(1);
+        let ids = dspark_kernels::argmax_rows(out.logits.expect("logits requested"));
         let ids = ids.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
         Ok((t.elapsed().as_secs_f64(), ids[ids.len() - 1] as u32 % vocab))
     };

@@ -718,6 +718,7 @@ impl DSparkDraft {
         if items.is_empty() {
             return Ok(());
         }
+        let _span = tracing::debug_span!("extend").entered();
         let grow: Vec<(SeqId, usize)> = items.iter().map(|(seq, f)| (*seq, f.dims()[0])).collect();
         let features = if items.len() == 1 {
             items[0].1.clone()
@@ -764,6 +765,7 @@ impl DSparkDraft {
     /// it does not apply (sampling lanes, no device pass, no graphs, no room for the scratch
     /// rows): the round then runs op by op. Its proposals equal the op-by-op round's bit for bit.
     fn propose_recorded(&mut self, lanes: &[ProposeLane<'_>]) -> Option<Result<Vec<Proposal>>> {
+        let prepare = tracing::debug_span!("propose_prepare").entered();
         let gamma = self.config.block_size;
         let (h, n) = (self.config.base.hidden_size, lanes.len() * gamma);
         let table_rows = self.config.base.max_position_embeddings;
@@ -823,6 +825,7 @@ impl DSparkDraft {
         let (eps, cache, markov) =
             (self.config.base.rms_norm_eps, &mut self.cache, self.device_markov.as_ref());
         let (lane_count, vocab) = (lanes.len(), self.config.base.vocab_size);
+        drop(prepare);
         // 2. the round on the device: inputs in place, one replay.
         let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
             let at = inputs.ints(n, n);
@@ -847,6 +850,7 @@ impl DSparkDraft {
             }])
         });
         self.give_back_scratch(lanes, &contexts);
+        let readback = tracing::debug_span!("propose_readback").entered();
         let out = match ran {
             Ran::Replayed(mut outs) => match outs.pop().map(read_f32) {
                 Some(Ok(out)) => out,
@@ -856,6 +860,8 @@ impl DSparkDraft {
             Ran::NotRecorded => return None,
             Ran::Failed(e) => return Some(Err(e)),
         };
+        drop(readback);
+        let _finish = tracing::debug_span!("propose_finish").entered();
         let (tokens, hidden) = out.split_at(n);
         let proposals = lanes
             .iter()
@@ -1128,6 +1134,7 @@ impl Speculator for DSparkDraft {
         if lanes.is_empty() {
             return Ok(Vec::new());
         }
+        let _span = tracing::debug_span!("propose").entered();
         let gamma = self.config.block_size;
         let (h, v) = (self.config.base.hidden_size, self.config.base.vocab_size);
         if let Some(proposals) = self.propose_recorded(lanes) {

@@ -232,6 +232,7 @@ impl Graphs {
             return Ran::NotRecorded;
         }
         // 1. the inputs, in place.
+        let inputs_span = tracing::debug_span!("graph_inputs").entered();
         let n = host.ints.len();
         let ints = Tensor::<1, Int>::from_data(TensorData::new(host.ints, [n]), device);
         bound.ints = dspark_kernels::write_into(bound.ints.clone(), ints);
@@ -262,6 +263,7 @@ impl Graphs {
             keys_cap: bound.keys_cap,
             floats: bound.floats.clone(),
         };
+        drop(inputs_span);
         // 2. the graph: replay, or record and replay (emulated: the body, every time).
         if !dspark_kernels::graphs_available(device) {
             bound.graphs.entry(key).or_insert(Entry::Emulated);
@@ -291,11 +293,13 @@ impl Graphs {
         // SAFETY: see this function's safety contract: every buffer the graph touches is held
         // by the model, by `bound`, or by the bound cache, and the inputs were written on this
         // device's stream just above.
-        if let Err(e) = unsafe { graph.replay() } {
+        let replayed = tracing::debug_span!("graph_replay").in_scope(|| unsafe { graph.replay() });
+        if let Err(e) = replayed {
             tracing::warn!(?key, error = %e, "a device graph would not replay; this forward runs op by op");
             bound.graphs.insert(key, Entry::Failed);
             return Ran::NotRecorded;
         }
+        let _outputs = tracing::debug_span!("graph_outputs").entered();
         Ran::Replayed(outputs.iter().map(|t| dspark_kernels::graph::fresh_copy(t.clone())).collect())
     }
 }

@@ -300,6 +300,7 @@ impl Qwen3 {
         if chunks.is_empty() {
             return Err(Error::InvalidInput("forward over no sequence".into()));
         }
+        let _span = tracing::debug_span!("target_forward").entered();
         let n_layers = self.layers.len();
         if let Some(&bad) = capture.iter().find(|&&l| l >= n_layers) {
             return Err(Error::InvalidInput(format!(
