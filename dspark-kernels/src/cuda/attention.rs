@@ -45,6 +45,8 @@ fn unpack(word: u32) -> (f32, f32) {
 const MAX_SPLITS: usize = 32;
 /// Fewest keys of a split (a multiple of [`KEY_GROUPS`]).
 const MIN_CHUNK: usize = 32;
+/// Keys each key group has in flight at once (a split of [`MIN_CHUNK`] keys is one batch).
+const KEYS_IN_FLIGHT: usize = 4;
 /// Query rows per launch: a long prefill or context extension runs in launches of this many
 /// rows that share one scratch buffer, so its scratch is that of a verify window (at most
 /// `64 · heads · MAX_SPLITS · head_dim` f32: 33.5 MB at Qwen3-8B shapes) instead of growing
@@ -136,7 +138,13 @@ fn paged_attention_split_kernel(
             }
         }
 
-        // 2. Online softmax over this split's keys start + kg, start + kg + 8, …
+        // 2. Online softmax over this split's keys start + kg, start + kg + 8, … in batches of
+        // KEYS_IN_FLIGHT keys per key group: the batch's page-table entries, then its K and V
+        // words are all requested before the first is used, so one batch costs about one
+        // memory round trip instead of one per key. The batch loop's trip count is the cube's
+        // (start and end are), so every lane reaches the shuffles; keys past `end` are read
+        // from pool row 0 and left out of the softmax. Each key group still takes its keys in
+        // increasing order with the same arithmetic.
         let neg_inf = f32::new(f32::NEG_INFINITY);
         let mut m = neg_inf;
         let mut l = 0.0f32;
@@ -145,40 +153,68 @@ fn paged_attention_split_kernel(
         for i in 0..head_dim / 4 {
             acc[i] = 0.0f32;
         }
-        let mut j = start + kg;
-        while j < end {
-            let phys = keys[first + j] as usize;
-            let base = (phys * kv_heads + kvh) * (head_dim / 8) + dq * words;
-            let mut dot = 0.0f32;
+        let mut kw = Array::<u32>::new(KEYS_IN_FLIGHT * head_dim / 8);
+        let mut vw = Array::<u32>::new(KEYS_IN_FLIGHT * head_dim / 8);
+        let mut dots = Array::<f32>::new(KEYS_IN_FLIGHT);
+        let mut b = start;
+        while b < end {
             #[unroll]
-            for w in 0..words {
-                let word = k[base + w];
+            for t in 0..KEYS_IN_FLIGHT {
+                let j = b + t * KEY_GROUPS + kg;
+                let mut phys = 0usize;
+                if j < end {
+                    phys = keys[first + j] as usize;
+                }
+                let base = (phys * kv_heads + kvh) * (head_dim / 8) + dq * words;
                 #[unroll]
-                for e in 0..4usize {
-                    let (lo, hi) = unpack(word.extract(e));
-                    dot += qs[w * 8 + 2 * e] * lo;
-                    dot += qs[w * 8 + 2 * e + 1] * hi;
+                for w in 0..words {
+                    let kword = k[base + w];
+                    let vword = v[base + w];
+                    #[unroll]
+                    for e in 0..4usize {
+                        kw[(t * words + w) * 4 + e] = kword.extract(e);
+                        vw[(t * words + w) * 4 + e] = vword.extract(e);
+                    }
                 }
             }
-            dot += plane_shuffle_xor(dot, 1u32);
-            dot += plane_shuffle_xor(dot, 2u32);
-            let m_new = max(m, dot);
-            let corr = (m - m_new).exp();
-            let p = (dot - m_new).exp();
-            l = l * corr + p;
             #[unroll]
-            for w in 0..words {
-                let word = v[base + w];
+            for t in 0..KEYS_IN_FLIGHT {
+                let mut dot = 0.0f32;
                 #[unroll]
-                for e in 0..4usize {
-                    let (lo, hi) = unpack(word.extract(e));
-                    let a = w * 8 + 2 * e;
-                    acc[a] = acc[a] * corr + p * lo;
-                    acc[a + 1] = acc[a + 1] * corr + p * hi;
+                for w in 0..words {
+                    #[unroll]
+                    for e in 0..4usize {
+                        let (lo, hi) = unpack(kw[(t * words + w) * 4 + e]);
+                        dot += qs[w * 8 + 2 * e] * lo;
+                        dot += qs[w * 8 + 2 * e + 1] * hi;
+                    }
+                }
+                dot += plane_shuffle_xor(dot, 1u32);
+                dot += plane_shuffle_xor(dot, 2u32);
+                dots[t] = dot;
+            }
+            #[unroll]
+            for t in 0..KEYS_IN_FLIGHT {
+                if b + t * KEY_GROUPS + kg < end {
+                    let dot = dots[t];
+                    let m_new = max(m, dot);
+                    let corr = (m - m_new).exp();
+                    let p = (dot - m_new).exp();
+                    l = l * corr + p;
+                    #[unroll]
+                    for w in 0..words {
+                        #[unroll]
+                        for e in 0..4usize {
+                            let (lo, hi) = unpack(vw[(t * words + w) * 4 + e]);
+                            let a = w * 8 + 2 * e;
+                            acc[a] = acc[a] * corr + p * lo;
+                            acc[a + 1] = acc[a + 1] * corr + p * hi;
+                        }
+                    }
+                    m = m_new;
                 }
             }
-            m = m_new;
-            j += KEY_GROUPS;
+            b += KEYS_IN_FLIGHT * KEY_GROUPS;
         }
 
         // 3. Merge the key groups (lanes 4 apart, then 8, then 16): the same sums on both sides.
