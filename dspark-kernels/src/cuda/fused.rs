@@ -44,14 +44,18 @@ fn rms_norm_kernel(
     let tid = UNIT_POS as usize;
     let base = row * d;
     let per_thread = comptime!(d.div_ceil(NORM_THREADS));
-    // 1. This thread's elements (after the residual add), and its sum of squares in order.
+    // 1. This thread's elements (after the residual add), and its sum of squares in order; its
+    //    weights are requested now too, so their reads overlap the reduction.
     let mut vals = Array::<f32>::new(per_thread);
+    let mut ws = Array::<f32>::new(per_thread);
     let mut part = 0.0f32;
     #[unroll]
     for j in 0..per_thread {
         let i = j * NORM_THREADS + tid;
         let mut v = 0.0f32;
+        ws[j] = 0.0f32;
         if i < d {
+            ws[j] = f32::cast_from(w[i]);
             v = f32::cast_from(x[base + i]);
             if residual {
                 let s = bf16::cast_from(v + f32::cast_from(delta[base + i]));
@@ -81,7 +85,7 @@ fn rms_norm_kernel(
         let i = j * NORM_THREADS + tid;
         if i < d {
             let n = f32::cast_from(bf16::cast_from(vals[j] * inv));
-            out[base + i] = bf16::cast_from(n * f32::cast_from(w[i]));
+            out[base + i] = bf16::cast_from(n * ws[j]);
         }
     }
 }
