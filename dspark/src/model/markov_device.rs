@@ -116,10 +116,14 @@ impl DeviceMarkov {
         Ok(round)
     }
 
-    /// Step `k`'s corrected logits `base[:, k] + W2 · W1[prev]` (f32, `[lanes, V]`).
+    /// Step `k`'s corrected logits `base[:, k] + W2 · W1[prev]` (f32, `[lanes, V]`; `base` may
+    /// be in the draft's dtype: only this step's rows are widened, exactly).
     fn corrected(&self, prev: &Tensor<1, Int>, base: &Tensor<3>, k: usize) -> Tensor<2> {
         let [lanes, _, v] = base.dims();
         let mut row = base.clone().narrow(1, k, 1).reshape([lanes, v]);
+        if row.dtype() != DType::F32 {
+            row = row.cast(DType::F32);
+        }
         if let Some((w1, w2)) = &self.w {
             let e = w1.clone().select(0, prev.clone());
             let bias = dspark_kernels::linear(e, w2);
@@ -129,7 +133,7 @@ impl DeviceMarkov {
     }
 
     /// The γ greedy steps on the device alone (no upload, no read): `prev` `[lanes]` holds the
-    /// anchors, `base` `[lanes, γ, V]`; returns the tokens `[lanes, γ]`, each the lowest index
+    /// anchors, `base` `[lanes, γ, V]` (f32 or the draft's dtype); returns the tokens `[lanes, γ]`, each the lowest index
     /// of its step's maximum, as the host pass chooses.
     pub(crate) fn greedy(&self, mut prev: Tensor<1, Int>, base: Tensor<3>, gamma: usize) -> Tensor<2, Int> {
         let lanes = base.dims()[0];
