@@ -165,8 +165,9 @@ fn memory_at(stage: &str, meter: &memory::Meter, device: &Device) {
 
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
-    let span_times = if args.spans { spans::SpanTimes::install() } else { None };
-    let spans = span_times.as_ref();
+    // Always installed: the library's warnings (a graph that would not record) reach stderr.
+    let span_times = spans::SpanTimes::install(args.spans);
+    let spans = span_times.as_ref().filter(|_| args.spans);
     let meter = memory::Meter::start(&args.device).map_err(dspark::Error::InvalidInput)?;
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device calls: where a draft round's and a target step's time goes (issues 4 and 8).
 #   tests  the kernels changed for it against their references (split paged attention in
-#          launches of ≤ 64 rows; the two-pass argmax), the recorded forwards against op by op at
+#          launches of ≤ 64 rows with keys in flight; the two-pass argmax; RMSNorm), the recorded
+#          forwards against op by op, batch invariance and the FP8 draft's losslessness at
 #          Qwen3-8B shapes, the trained pair's greedy equality (bf16 and FP8 drafts);
 #   times  bench-draft (7c and 16, bf16 and fp8h, graphs on) with the host time inside each of
 #          the library's spans (`--spans`), and bench-target at 1, 16 and 64 lanes;
@@ -24,11 +25,11 @@ RAW="$OUT/raw"; mkdir -p "$RAW"
 
 for PHASE in "$@"; do case "$PHASE" in
 tests)
-    echo "== split paged attention and two-pass argmax against their references"
-    timeout 120 out/bin/gpu_kernels --test-threads=1 --nocapture paged_attention argmax > "$RAW/gpu_kernels.log" 2>&1
+    echo "== split paged attention, two-pass argmax, RMSNorm against their references"
+    timeout 120 out/bin/gpu_kernels --test-threads=1 --nocapture paged_attention argmax rms_norm > "$RAW/gpu_kernels.log" 2>&1
     echo "gpu_kernels exit $?"; grep -E "^test |test result|panicked|rel err" "$RAW/gpu_kernels.log"
-    echo "== recorded forwards = op by op (Qwen3-8B shapes); trained pair greedy equality"
-    [ -x out/bin/gpu_golden ] && timeout 240 out/bin/gpu_golden --test-threads=1 --nocapture ${GOLDEN_TESTS:-recorded_forwards trained_pair} \
+    echo "== recorded forwards = op by op, batch invariance, FP8 draft lossless (Qwen3-8B shapes); trained pair"
+    [ -x out/bin/gpu_golden ] && timeout ${GOLDEN_TIMEOUT:-300} out/bin/gpu_golden --test-threads=1 --nocapture ${GOLDEN_TESTS:-recorded_forwards trained_pair qwen3_8b} \
         > "$RAW/gpu_golden.log" 2>&1
     echo "gpu_golden exit $?"; grep -E "^test |test result|panicked|differ|tau|draft:" "$RAW/gpu_golden.log" | cut -c1-250
     ;;

@@ -2,7 +2,7 @@
 //! between entering and leaving each span of the library (its `debug` spans: `propose`,
 //! `propose_prepare`, `graph_inputs`, `graph_replay`, `propose_readback`, …), so a benchmark can
 //! say where a phase's wall time goes on the host. Spans nest: a parent's time includes its
-//! children's. Events are not printed.
+//! children's. Warnings and errors are printed to stderr, as the benchmarks' default would.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +11,19 @@ use std::time::{Duration, Instant};
 
 use tracing::span::{Attributes, Id, Record};
 use tracing::{Event, Metadata, Subscriber};
+
+/// An event's fields as ` name=value` pairs (the message bare).
+struct Fields(String);
+
+impl tracing::field::Visit for Fields {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.0.push_str(&format!(" {value:?}"));
+        } else {
+            self.0.push_str(&format!(" {}={value:?}", field.name()));
+        }
+    }
+}
 
 /// Calls and total time per span name.
 type Totals = BTreeMap<&'static str, (u64, Duration)>;
@@ -27,11 +40,19 @@ struct State {
 pub struct SpanTimes {
     state: Arc<Mutex<State>>,
     next: Arc<AtomicU64>,
+    /// Whether spans are timed (else only warnings are printed).
+    spans: bool,
 }
 
 impl Subscriber for SpanTimes {
     fn enabled(&self, meta: &Metadata<'_>) -> bool {
-        meta.is_span() && meta.target().starts_with("dspark") && *meta.level() <= tracing::Level::DEBUG
+        if meta.is_event() {
+            return *meta.level() <= tracing::Level::WARN;
+        }
+        self.spans
+            && meta.is_span()
+            && meta.target().starts_with("dspark")
+            && *meta.level() <= tracing::Level::DEBUG
     }
 
     fn new_span(&self, attrs: &Attributes<'_>) -> Id {
@@ -46,7 +67,12 @@ impl Subscriber for SpanTimes {
 
     fn record_follows_from(&self, _: &Id, _: &Id) {}
 
-    fn event(&self, _: &Event<'_>) {}
+    fn event(&self, event: &Event<'_>) {
+        let mut fields = Fields(String::new());
+        event.record(&mut fields);
+        let meta = event.metadata();
+        eprintln!("{} {}:{}", meta.level(), meta.target(), fields.0);
+    }
 
     fn enter(&self, id: &Id) {
         if let Ok(mut s) = self.state.lock()
@@ -75,9 +101,10 @@ impl Subscriber for SpanTimes {
 }
 
 impl SpanTimes {
-    /// Install as the global subscriber. `None` when one is already installed.
-    pub fn install() -> Option<Self> {
-        let times = Self::default();
+    /// Install as the global subscriber, timing spans when `spans` is set. `None` when one is
+    /// already installed.
+    pub fn install(spans: bool) -> Option<Self> {
+        let times = Self { spans, ..Self::default() };
         tracing::subscriber::set_global_default(times.clone()).ok().map(|()| times)
     }
 
