@@ -485,7 +485,7 @@ fn the_committed_h200_cost_table_loads() {
     assert_eq!(t.verify_points().last().map(|v| v.tokens), Some(64));
     // One lane: confident drafts get the whole window, doubtful ones less.
     assert_eq!(choose_budget(&t, &[&[0.99; 7]], 7), 8);
-    assert_eq!(choose_budget(&t, &[&[0.5; 7]], 7), 6);
+    assert_eq!(choose_budget(&t, &[&[0.5; 7]], 7), 7);
     // Eight lanes at c = 0.9: 4 rows each (32), where the verify step is still cheap.
     let eight: Vec<&[f32]> = vec![&[0.9; 7]; 8];
     assert_eq!(choose_budget(&t, &eight, 7), 32);
