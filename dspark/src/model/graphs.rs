@@ -12,7 +12,8 @@
 //! Graphs are kept per shape and bound to one cache (its pools are what they write): a forward
 //! through another cache drops them all and records anew. A shape is recorded the second time
 //! it is seen, and a model keeps at most [`MAX_GRAPHS`]; other shapes run op by op. A shape whose
-//! recording fails is remembered and runs op by op from then on; the failure is logged once.
+//! recording fails is tried again on later calls, up to three times in all, then runs op by op
+//! for good; each failure is logged.
 
 use std::collections::HashMap;
 
@@ -108,8 +109,17 @@ enum Entry {
     /// Admitted where graphs are only emulated: the body runs on every call, and the shape
     /// counts toward [`MAX_GRAPHS`] as a graph would.
     Emulated,
-    Failed,
+    /// Recording failed `attempts` times; tried again on later calls until
+    /// [`RECORD_ATTEMPTS`], then run op by op for good.
+    Failed {
+        attempts: u32,
+    },
 }
+
+/// Recordings of one shape tried before it runs op by op for good. A recording can fail
+/// intermittently (seen on the H200 for the one-lane draft round, in about half the processes:
+/// "An error happened during execution"), and the next try usually succeeds.
+const RECORD_ATTEMPTS: u32 = 3;
 
 impl Entry {
     /// Whether this shape holds a graph's place.
@@ -224,7 +234,11 @@ impl Graphs {
             }
             bound.seen.remove(&key);
         }
-        if matches!(bound.graphs.get(&key), Some(Entry::Failed))
+        let failed = match bound.graphs.get(&key) {
+            Some(Entry::Failed { attempts }) => Some(*attempts),
+            _ => None,
+        };
+        if failed.is_some_and(|a| a >= RECORD_ATTEMPTS)
             || host.ints.len() > bound.ints_cap
             || host.keys.len() > bound.keys_cap
             || host.meta.len() > 2 * MAX_GRAPH_ROWS
@@ -272,7 +286,7 @@ impl Graphs {
                 Err(e) => Ran::Failed(e),
             };
         }
-        if !bound.graphs.contains_key(&key) {
+        if !bound.graphs.contains_key(&key) || failed.is_some() {
             match DeviceGraph::capture(device, || body(&inputs)) {
                 Ok(Ok((graph, outputs))) => {
                     tracing::debug!(?key, "recorded a device graph");
@@ -281,8 +295,13 @@ impl Graphs {
                 Ok(Err(e)) => return Ran::Failed(e),
                 Err(GraphError::Unsupported) => return Ran::NotRecorded,
                 Err(e) => {
-                    tracing::warn!(?key, error = %e, "could not record this forward; it runs op by op");
-                    bound.graphs.insert(key, Entry::Failed);
+                    let attempts = failed.unwrap_or(0) + 1;
+                    if attempts < RECORD_ATTEMPTS {
+                        tracing::warn!(?key, attempts, error = %e, "could not record this forward; trying again on a later call");
+                    } else {
+                        tracing::warn!(?key, attempts, error = %e, "could not record this forward; it runs op by op");
+                    }
+                    bound.graphs.insert(key, Entry::Failed { attempts });
                     return Ran::NotRecorded;
                 }
             }
@@ -296,7 +315,7 @@ impl Graphs {
         let replayed = tracing::debug_span!("graph_replay").in_scope(|| unsafe { graph.replay() });
         if let Err(e) = replayed {
             tracing::warn!(?key, error = %e, "a device graph would not replay; this forward runs op by op");
-            bound.graphs.insert(key, Entry::Failed);
+            bound.graphs.insert(key, Entry::Failed { attempts: RECORD_ATTEMPTS });
             return Ran::NotRecorded;
         }
         let _outputs = tracing::debug_span!("graph_outputs").entered();
