@@ -483,6 +483,7 @@ fn better(v: f32, i: u32, v_o: f32, i_o: u32) -> (f32, u32) {
 const ARGMAX_PER_THREAD: usize = 16;
 /// Elements of a row one argmax cube scans: a 151 936-wide vocabulary row is 38 cubes.
 const ARGMAX_SEGMENT: usize = ARGMAX_THREADS * ARGMAX_PER_THREAD;
+
 /// Merge the candidates of a warp by butterfly shuffles (every lane ends with the warp's best).
 #[cube]
 fn warp_best(v: f32, i: u32) -> (f32, u32) {
@@ -501,9 +502,9 @@ fn warp_best(v: f32, i: u32) -> (f32, u32) {
 
 /// First pass of the argmax: cube `(s, r)` finds the largest value of segment `s` of row `r`
 /// (elements `s·SEGMENT ..`), the lowest index on ties, NaN skipped, and writes the candidate
-/// (index `u32::MAX` when nothing in the segment exceeds −∞) to slot `r·segs + s`. Each thread scans
-/// its elements in increasing order; candidates then merge by an order-free rule, so the result
-/// is exact and the same however the row is cut.
+/// (index `u32::MAX` when nothing in the segment exceeds −∞) to slot `r·segs + s`. Each thread
+/// scans its elements in increasing order; candidates then merge by an order-free rule, so the
+/// result is exact and the same however the row is cut.
 #[cube(launch_unchecked)]
 fn argmax_partial_kernel(x: &[f32], part_v: &mut [f32], part_i: &mut [u32], width: u32) {
     let seg = CUBE_POS_X as usize;
