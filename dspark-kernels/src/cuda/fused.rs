@@ -591,41 +591,47 @@ fn launch_argmax(x: CubeTensor) -> CubeTensor {
     let [rows, width] = [x.meta.shape()[0], x.meta.shape()[1]];
     let segs = width.div_ceil(ARGMAX_SEGMENT);
     let client = x.client.clone();
-    let buffer = |len: usize, dtype: DType| {
-        burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
-            client.clone(),
-            x.device.clone(),
-            [len].into(),
-            dtype,
-        )
-    };
-    let out = buffer(rows, DType::I32);
-    let part_v = buffer(rows * segs, DType::F32);
-    let part_i = buffer(rows * segs, DType::U32);
+    // One buffer: the `rows` i32 results, then the candidates' values (f32) and indices (u32),
+    // `rows·segs` of each. A single allocation per call keeps a recorded round's small slices
+    // to one per argmax (an allocation inside a recording can only reuse what the warm-ups
+    // left; see `dspark_kernels::graph`).
+    let cand = rows * segs;
+    let all = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        [rows + 2 * cand].into(),
+        DType::I32,
+    );
+    let word = 4u64;
+    let part_v = all.handle.clone().offset_start(rows as u64 * word);
+    let part_i = all.handle.clone().offset_start((rows + cand) as u64 * word);
     // SAFETY: cube (s, r) of the first pass reads elements `s·SEGMENT ..` below `width` of row
-    // r of x (`rows·width` f32) and writes slot `r·segs + s` of each candidate buffer
-    // (`rows·segs`); the second pass reads row r's `segs` slots and writes out[r] (`rows` i32).
+    // r of x (`rows·width` f32) and writes slot `r·segs + s` of each candidate section (`cand`
+    // words each, after the `rows` results); the second pass reads row r's `segs` slots and
+    // writes result r. The sections do not overlap and lie within the `rows + 2·cand` words.
     unsafe {
         argmax_partial_kernel::launch_unchecked(
             &client,
             CubeCount::Static(segs as u32, rows as u32, 1),
             CubeDim::new_1d(ARGMAX_THREADS as u32),
             BufferArg::from_raw_parts(x.handle.clone(), rows * width),
-            BufferArg::from_raw_parts(part_v.handle.clone(), rows * segs),
-            BufferArg::from_raw_parts(part_i.handle.clone(), rows * segs),
+            BufferArg::from_raw_parts(part_v.clone(), cand),
+            BufferArg::from_raw_parts(part_i.clone(), cand),
             width as u32,
         );
         argmax_merge_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
             CubeDim::new_1d(32),
-            BufferArg::from_raw_parts(part_v.handle.clone(), rows * segs),
-            BufferArg::from_raw_parts(part_i.handle.clone(), rows * segs),
-            BufferArg::from_raw_parts(out.handle.clone(), rows),
+            BufferArg::from_raw_parts(part_v, cand),
+            BufferArg::from_raw_parts(part_i, cand),
+            BufferArg::from_raw_parts(all.handle.clone(), rows),
             segs as u32,
         );
     }
-    out
+    // The results are the front of the buffer: a `[rows]` i32 tensor over it (the candidates
+    // behind them are never read again).
+    CubeTensor::new_contiguous(client, x.device.clone(), [rows].into(), all.handle, DType::I32)
 }
 
 fn rows_shape(x: &burn::tensor::Shape) -> burn::tensor::Shape {
