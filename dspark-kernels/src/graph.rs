@@ -201,6 +201,14 @@ fn record<T, E>(
             return Err(backend(&e));
         }
     }
+    // Spare slices of the smallest size class, free when the window opens.
+    let spares = spare_small_slices(device);
+    let synced = Dispatch::sync(dispatch);
+    drop(spares);
+    if let Err(e) = synced.and_then(|()| Dispatch::sync(dispatch)) {
+        abandon(dispatch);
+        return Err(backend(&e));
+    }
     Dispatch::graph_start_capture(dispatch).map_err(|e| {
         abandon(dispatch);
         backend(&e)
@@ -214,6 +222,26 @@ fn record<T, E>(
         Err(e) => return Ok(Err(e)),
     };
     Ok(Ok((DeviceGraph { device: device.clone(), graph: graph? }, out)))
+}
+
+/// Spare slices left free for the recording, of the smallest size class (every buffer of at most
+/// 512 bytes: one row's token, position or argmax, a lane's `[first, len]`).
+///
+/// The recording may allocate only slices the warm-ups freed. How many small ones are free at
+/// each point of it depends on when earlier frees land, which need not match the warm-ups: on
+/// the H200 one process in two failed to record the one-lane draft round ("No room for 512
+/// bytes … a graph capture is recording"). A few dozen spares (16 KiB) cover that drift; those
+/// the recording does not use are released by the cleanup after it.
+#[cfg(feature = "cuda")]
+const SPARE_SMALL_SLICES: usize = 32;
+
+/// Allocate [`SPARE_SMALL_SLICES`] small buffers (inside the persistent window the recording
+/// draws from); the caller syncs, then drops them so that they are free when the window opens.
+#[cfg(feature = "cuda")]
+fn spare_small_slices(device: &Device) -> Vec<Tensor<1, Int>> {
+    use burn::tensor::{DType, TensorCreationOptions};
+    let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+    (0..SPARE_SMALL_SLICES).map(|_| Tensor::<1, Int>::zeros([128], i32s.clone())).collect()
 }
 
 /// Close a prepared capture that never opened, so the stream returns to normal.
@@ -275,4 +303,97 @@ pub fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
         return crate::cuda::copy::fresh_copy(x);
     }
     x
+}
+
+/// An integer device buffer that recorded forwards read, refreshed from the host in place
+/// before each replay.
+///
+/// On CUDA a write is one host-to-device copy into the buffer, enqueued on the calling thread's
+/// stream at once: no upload into a new tensor and no copy kernel through the fusion queue
+/// (those cost 150–300 µs of host time per replay on the H200, with the device idle).
+/// Elsewhere it is an upload and [`write_into`].
+///
+/// Ordering: the copy is ordered after every launch already submitted to the stream, but not
+/// after work still queued in burn's fusion queue. Work that reads this buffer must therefore
+/// have been submitted (a replay, or a synced warm-up) before the next write; a recorded
+/// forward's replay is. A recorded body takes its views of the buffer ([`Tensor::narrow`])
+/// inside the body, so that the graph reads the buffer itself.
+pub struct InputBuffer {
+    tensor: Tensor<1, Int>,
+    #[cfg(feature = "cuda")]
+    direct: Option<crate::cuda::copy::HostWrites>,
+}
+
+impl std::fmt::Debug for InputBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let direct = {
+            #[cfg(feature = "cuda")]
+            {
+                self.direct.is_some()
+            }
+            #[cfg(not(feature = "cuda"))]
+            false
+        };
+        f.debug_struct("InputBuffer").field("len", &self.len()).field("direct", &direct).finish()
+    }
+}
+
+impl InputBuffer {
+    /// Wrap `tensor`: a whole contiguous buffer as allocated (i32 or i64 for direct writes).
+    pub fn new(tensor: Tensor<1, Int>) -> Self {
+        #[cfg(feature = "cuda")]
+        if crate::kernels_available(&tensor.device()) {
+            let (tensor, direct) = crate::cuda::copy::HostWrites::new(tensor);
+            return Self { tensor, direct };
+        }
+        Self {
+            tensor,
+            #[cfg(feature = "cuda")]
+            direct: None,
+        }
+    }
+
+    /// The buffer (a handle to the same device memory).
+    pub fn tensor(&self) -> Tensor<1, Int> {
+        self.tensor.clone()
+    }
+
+    /// Elements in the buffer.
+    pub fn len(&self) -> usize {
+        self.tensor.dims()[0]
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether writes go straight to the device (CUDA) rather than through an upload and a copy.
+    pub fn is_direct(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        {
+            self.direct.is_some()
+        }
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+
+    /// `buffer[0 .. values.len()] = values`, each converted to the buffer's integer dtype
+    /// (values past its length are not written; a caller bug reported by `debug_assert`).
+    pub fn write(&mut self, values: &[i64]) {
+        debug_assert!(values.len() <= self.len(), "InputBuffer::write: {} into {}", values.len(), self.len());
+        let n = values.len().min(self.len());
+        if n == 0 {
+            return;
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(direct) = &self.direct {
+            direct.write(&values[..n]);
+            return;
+        }
+        let opts =
+            burn::tensor::TensorCreationOptions::new(self.tensor.device()).with_dtype(self.tensor.dtype());
+        let src = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(values[..n].to_vec(), [n]), opts);
+        self.tensor = write_into(self.tensor.clone(), src);
+    }
 }

@@ -41,8 +41,8 @@ pub fn kernels_enabled() -> bool {
 pub use fp8::{Fp8Matrix, linear_fp8};
 pub use gemm_plan::{GemmPlan, force_plan};
 pub use graph::{
-    DeviceGraph, GraphError, graph_emulation, graphs_available, set_graph_emulation, set_graphs_enabled,
-    write_floats_into, write_into,
+    DeviceGraph, GraphError, InputBuffer, graph_emulation, graphs_available, set_graph_emulation,
+    set_graphs_enabled, write_floats_into, write_into,
 };
 pub use reference::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
 

@@ -779,3 +779,45 @@ fn graph_input_writes_match_reference() {
     assert_eq!(host(written.reshape([1, 4096])), want, "float write");
     assert_eq!(host(copy.reshape([1, 4096])), want, "fresh copy");
 }
+
+#[test]
+fn graph_input_buffers_write_in_place() {
+    // `InputBuffer` on CUDA: one host-to-device copy into the very buffer a recorded graph
+    // reads, for i32 and the default integer dtype; each replay sees the latest write, the rest
+    // of the buffer keeps its values, and values are converted to the buffer's width.
+    let device = cuda();
+    for dtype in [DType::I32, Tensor::<1, burn::tensor::Int>::zeros([1], &device).dtype()] {
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype);
+        let start: Vec<i64> = (0..256).map(|i| i * 3 - 100).collect();
+        let t = Tensor::<1, burn::tensor::Int>::from_data(
+            burn::tensor::TensorData::new(start.clone(), [256]),
+            opts,
+        );
+        let mut buffer = dspark_kernels::InputBuffer::new(t);
+        assert!(buffer.is_direct(), "{dtype:?}: writes should go straight to the device");
+        // The view is taken inside the body, as a recorded forward takes its inputs' views: a
+        // view made once outside may be materialised once, and the graph would read that.
+        let whole = buffer.tensor();
+        let (graph, out) = dspark_kernels::DeviceGraph::capture(&device, || {
+            Ok::<_, ()>(whole.clone().narrow(0, 0, 64).float().cast(DType::F32).mul_scalar(2.0))
+        })
+        .unwrap()
+        .unwrap();
+        let read =
+            |t: Tensor<1, burn::tensor::Int>| t.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
+        for round in 0..3i64 {
+            let values: Vec<i64> = (0..40).map(|i| 1_000 * (round + 1) + i * 7 - 9_000).collect();
+            buffer.write(&values);
+            // SAFETY: the buffer and `out` are alive until the reads below.
+            unsafe { graph.replay() }.unwrap();
+            let got = out.clone().into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
+            let mut want: Vec<i64> = start[..64].to_vec();
+            want[..40].copy_from_slice(&values);
+            let want_f: Vec<f32> = want.iter().map(|&v| 2.0 * v as f32).collect();
+            assert_eq!(got, want_f, "{dtype:?}: replay {round} after a write");
+            let mut whole = start.clone();
+            whole[..40].copy_from_slice(&values);
+            assert_eq!(read(buffer.tensor()), whole, "{dtype:?}: buffer after write {round}");
+        }
+    }
+}

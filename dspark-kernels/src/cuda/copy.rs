@@ -130,3 +130,81 @@ pub(crate) fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 pub(crate) fn write_into(dst: Tensor<1, Int>, src: Tensor<1, Int>) -> Tensor<1, Int> {
     Tensor::from_dispatch(<Dispatch as WriteIntoOps>::write_into(dst.into_dispatch(), src.into_dispatch()))
 }
+
+/// Device buffers resolved by [`ResolveOps::resolve_buffer`], by the key the caller chose.
+static RESOLVED: std::sync::Mutex<Vec<(usize, cubecl::client::Client, cubecl::server::Handle)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// The backend extension that hands a tensor's device buffer to the host side.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait ResolveOps: burn::backend::Backend {
+    /// `x` itself; records its client and buffer under `key` (see [`HostWrites::new`]).
+    #[fusion(dtype = x, shape = dst_shape(x))]
+    fn resolve_buffer(
+        x: burn::backend::tensor::IntTensor<Self>,
+        key: usize,
+    ) -> burn::backend::tensor::IntTensor<Self>;
+}
+
+impl ResolveOps for CubeBackend {
+    fn resolve_buffer(x: CubeTensor, key: usize) -> CubeTensor {
+        if let Ok(mut resolved) = RESOLVED.lock() {
+            resolved.push((key, x.client.clone(), x.handle.clone()));
+        }
+        x
+    }
+}
+
+/// Host-to-device writes straight into one contiguous integer buffer: one copy on the device's
+/// stream, no upload into a new tensor and no copy kernel through the fusion queue.
+pub(crate) struct HostWrites {
+    client: cubecl::client::Client,
+    handle: cubecl::server::Handle,
+    /// Bytes per element (4: i32, 8: i64).
+    width: usize,
+    len: usize,
+}
+
+impl HostWrites {
+    /// Resolve `x` (contiguous, as allocated; i32 or i64) and return it with its writer, or
+    /// `None` (with `x`) where its buffer could not be resolved.
+    pub(crate) fn new(x: Tensor<1, Int>) -> (Tensor<1, Int>, Option<Self>) {
+        use burn::backend::Backend;
+        static KEYS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let width = x.dtype().size();
+        let len = x.dims()[0];
+        if width != 4 && width != 8 {
+            return (x, None);
+        }
+        let key = KEYS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let device = x.device();
+        let x = Tensor::from_dispatch(<Dispatch as ResolveOps>::resolve_buffer(x.into_dispatch(), key));
+        // The extension runs when the queue is flushed: now.
+        if Dispatch::sync(device.as_dispatch()).is_err() {
+            return (x, None);
+        }
+        let found = RESOLVED.lock().ok().and_then(|mut r| {
+            let at = r.iter().position(|(k, ..)| *k == key)?;
+            Some(r.swap_remove(at))
+        });
+        let writes = found.map(|(_, client, handle)| Self { client, handle, width, len });
+        (x, writes)
+    }
+
+    /// `buffer[0 .. values.len()] = values`, converted to the buffer's integer width (values
+    /// past its length are not written). Enqueued on the calling thread's stream, after the
+    /// launches issued so far; the caller flushes whatever queued work reads the old values
+    /// first.
+    pub(crate) fn write(&self, values: &[i64]) {
+        let n = values.len().min(self.len);
+        if n == 0 {
+            return;
+        }
+        let bytes = if self.width == 8 {
+            cubecl::bytes::Bytes::from_elems(values[..n].to_vec())
+        } else {
+            cubecl::bytes::Bytes::from_elems(values[..n].iter().map(|&v| v as i32).collect::<Vec<i32>>())
+        };
+        self.client.write(&self.handle, bytes);
+    }
+}

@@ -17,8 +17,8 @@
 
 use std::collections::HashMap;
 
-use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions, TensorData};
-use dspark_kernels::{DeviceGraph, GraphError};
+use burn::tensor::{DType, Device, Int, Tensor, TensorCreationOptions};
+use dspark_kernels::{DeviceGraph, GraphError, InputBuffer};
 
 use super::layer::AttnPlan;
 
@@ -57,6 +57,10 @@ pub(crate) struct HostInputs {
     /// A float input already on the device (`[rows, width]`, the model's dtype), copied into
     /// the shared float buffer.
     pub floats: Option<Tensor<2>>,
+    /// How many leading outputs are logits the body leaves in the model's dtype: they are
+    /// handed out widened to f32 (exact), and the widening is their copy. The recorded graph
+    /// then holds no f32 logits (39 MB for a 64-row verify window of Qwen3-8B).
+    pub widen: usize,
 }
 
 /// The device inputs of one forward, as views of the shared buffers.
@@ -130,8 +134,8 @@ impl Entry {
 
 struct Bound {
     cache: u64,
-    ints: Tensor<1, Int>,
-    tables: Tensor<1, Int>,
+    ints: InputBuffer,
+    tables: InputBuffer,
     ints_cap: usize,
     keys_cap: usize,
     /// The float input buffer, `[MAX_GRAPH_ROWS · width]`, made for the first float input.
@@ -213,8 +217,8 @@ impl Graphs {
             });
             *guard = Some(Bound {
                 cache,
-                ints,
-                tables,
+                ints: InputBuffer::new(ints),
+                tables: InputBuffer::new(tables),
                 ints_cap,
                 keys_cap,
                 floats: None,
@@ -247,17 +251,14 @@ impl Graphs {
         }
         // 1. the inputs, in place.
         let inputs_span = tracing::debug_span!("graph_inputs").entered();
-        let n = host.ints.len();
-        let ints = Tensor::<1, Int>::from_data(TensorData::new(host.ints, [n]), device);
-        bound.ints = dspark_kernels::write_into(bound.ints.clone(), ints);
+        // Each buffer's values in one write (on CUDA one host-to-device copy). The replay below
+        // is what reads them, so the next call's writes come after it.
+        bound.ints.write(&host.ints);
         // Only the keys in use are written; the rest of the table is never read.
-        let mut table = host.meta;
+        let mut table: Vec<i64> = host.meta.iter().map(|&v| i64::from(v)).collect();
         table.resize(2 * MAX_GRAPH_ROWS, 0);
-        table.extend_from_slice(&host.keys);
-        let len = table.len();
-        let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
-        let tables = Tensor::<1, Int>::from_data(TensorData::new(table, [len]), i32s);
-        bound.tables = dspark_kernels::write_into(bound.tables.clone(), tables);
+        table.extend(host.keys.iter().map(|&v| i64::from(v)));
+        bound.tables.write(&table);
         if let Some(f) = host.floats {
             let [rows, width] = f.dims();
             let buffer = bound.floats.get_or_insert_with(|| {
@@ -272,8 +273,8 @@ impl Graphs {
             *buffer = dspark_kernels::write_floats_into(buffer.clone(), f.reshape([rows * width]));
         }
         let inputs = DeviceInputs {
-            ints: bound.ints.clone(),
-            tables: bound.tables.clone(),
+            ints: bound.ints.tensor(),
+            tables: bound.tables.tensor(),
             keys_cap: bound.keys_cap,
             floats: bound.floats.clone(),
         };
@@ -281,8 +282,9 @@ impl Graphs {
         // 2. the graph: replay, or record and replay (emulated: the body, every time).
         if !dspark_kernels::graphs_available(device) {
             bound.graphs.entry(key).or_insert(Entry::Emulated);
+            let widen = host.widen;
             return match body(&inputs) {
-                Ok(outputs) => Ran::Replayed(outputs),
+                Ok(outputs) => Ran::Replayed(detach(outputs, widen, false)),
                 Err(e) => Ran::Failed(e),
             };
         }
@@ -319,6 +321,24 @@ impl Graphs {
             return Ran::NotRecorded;
         }
         let _outputs = tracing::debug_span!("graph_outputs").entered();
-        Ran::Replayed(outputs.iter().map(|t| dspark_kernels::graph::fresh_copy(t.clone())).collect())
+        Ran::Replayed(detach(outputs.clone(), host.widen, true))
     }
+}
+
+/// A forward's outputs as handed out: the first `widen` widened to f32 (a new buffer), the
+/// rest copied out of the graph's buffers when `copy` (a later replay overwrites them).
+fn detach(outputs: Vec<Tensor<2>>, widen: usize, copy: bool) -> Vec<Tensor<2>> {
+    outputs
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            if i < widen && t.dtype() != DType::F32 {
+                t.cast(DType::F32)
+            } else if copy {
+                dspark_kernels::graph::fresh_copy(t)
+            } else {
+                t
+            }
+        })
+        .collect()
 }
