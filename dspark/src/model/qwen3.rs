@@ -377,7 +377,7 @@ impl Qwen3 {
         let n = pick.len();
         let pick = (n > 0 && n < total)
             .then(|| Tensor::<1, Int>::from_data(TensorData::new(pick, [n]), &self.device));
-        match self.body(ids, (&cos, &sin), &seqs, plan.as_ref(), capture, n, pick, cache) {
+        match self.body(ids, (&cos, &sin), &seqs, plan.as_ref(), capture, n, pick, true, cache) {
             Ok(out) => Ok(done(out)),
             Err(e) => {
                 self.rollback(cache, &grow, &ranges);
@@ -388,7 +388,8 @@ impl Qwen3 {
 
     /// The device part of a forward: embedding, decoder layers (K/V written at the plan's rows,
     /// or per sequence without a plan), the captured features, and f32 logits of `picks` rows
-    /// (`pick` chooses them; `None` with `picks` > 0 means every row).
+    /// (`pick` chooses them; `None` with `picks` > 0 means every row), or with `widen` false
+    /// the logits in the model's dtype (the caller widens them).
     #[allow(clippy::too_many_arguments)]
     fn body(
         &self,
@@ -399,6 +400,7 @@ impl Qwen3 {
         capture: &[usize],
         picks: usize,
         pick: Option<Tensor<1, Int>>,
+        widen: bool,
         cache: &mut dyn KvCache,
     ) -> Result<(Option<Tensor<2>>, Option<Tensor<2>>)> {
         let mut x = self.embed_tokens.clone().select(0, ids);
@@ -421,7 +423,11 @@ impl Qwen3 {
             };
             let h = rms_norm(rows, &self.norm, self.config.rms_norm_eps);
             let logits = self.head.apply(h);
-            if self.dtype == ComputeDtype::F32 { logits } else { logits.cast(burn::tensor::DType::F32) }
+            if self.dtype == ComputeDtype::F32 || !widen {
+                logits
+            } else {
+                logits.cast(burn::tensor::DType::F32)
+            }
         });
         Ok((logits, features))
     }
@@ -475,7 +481,11 @@ impl Qwen3 {
         let mut detail = vec![picks];
         detail.extend_from_slice(capture);
         let key = ShapeKey { rows, ints: ints.len(), detail };
-        let mut host = HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats: None };
+        // Logits leave the graph in the model's dtype and are widened to f32 as they are handed
+        // out (see `HostInputs::widen`).
+        let widen = usize::from(picks > 0);
+        let mut host =
+            HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats: None, widen };
         if rows > real {
             let at = host.keys.len() as i32;
             host.keys.push(pad_row as i32);
@@ -490,7 +500,7 @@ impl Qwen3 {
             let plan = inputs.plan(rows, 2 * rows);
             let pick = pick_rows.then(|| inputs.ints(3 * rows, picks));
             let (logits, features) =
-                self.body(ids, (&cos, &sin), &[], Some(&plan), capture, picks, pick, cache)?;
+                self.body(ids, (&cos, &sin), &[], Some(&plan), capture, picks, pick, false, cache)?;
             Ok(logits.into_iter().chain(features).collect())
         });
         match ran {
