@@ -16,7 +16,10 @@
 # bench-draft and bench-target for `times` and `ncu`.
 #   memory the team workload's peak device memory, speculative (FP8 draft) vs target-only
 #          (bench-workload, needs out/prompts).
-# Usage: benches/gpu_profile.sh tests|times|ncu|memory ...
+#   gate   the workload benchmark's full gate (solo, team, busy) with the FP8 draft (needs
+#          out/prompts).
+#   record the one-lane γ=7 round's recording, in several processes (PROCESSES, default 3).
+# Usage: benches/gpu_profile.sh tests|times|ncu|memory|record|gate ...
 set -uo pipefail
 OUT=${OUT:-out/results}
 . "$(dirname "$0")/gpu_env.sh"
@@ -26,7 +29,7 @@ RAW="$OUT/raw"; mkdir -p "$RAW"
 for PHASE in "$@"; do case "$PHASE" in
 tests)
     echo "== split paged attention, two-pass argmax, RMSNorm against their references"
-    timeout 120 out/bin/gpu_kernels --test-threads=1 --nocapture paged_attention argmax rms_norm > "$RAW/gpu_kernels.log" 2>&1
+    timeout 120 out/bin/gpu_kernels --test-threads=1 --nocapture ${KERNEL_TESTS:-paged_attention argmax rms_norm} > "$RAW/gpu_kernels.log" 2>&1
     echo "gpu_kernels exit $?"; grep -E "^test |test result|panicked|rel err" "$RAW/gpu_kernels.log"
     echo "== recorded forwards = op by op, batch invariance, FP8 draft lossless (Qwen3-8B shapes); trained pair"
     [ -x out/bin/gpu_golden ] && timeout ${GOLDEN_TIMEOUT:-300} out/bin/gpu_golden --test-threads=1 --nocapture ${GOLDEN_TESTS:-recorded_forwards trained_pair qwen3_8b} \
@@ -60,6 +63,26 @@ ncu)
         done
     done
     grep -E "^###|^\| \`" "$OUT/ncu.md" | cut -c1-120 | head -${TOP:-80}
+    ;;
+record)
+    # The one-lane γ=7 round recorded in separate processes (a recording failure is logged as a
+    # warning "could not record this forward"; the round then runs op by op on that call).
+    for i in $(seq 1 ${PROCESSES:-3}); do
+        timeout 120 out/bin/bench-draft --device cuda --dtype bf16 --layouts 7c --weights bf16 --reps 10 \
+            > "$RAW/record-$i.md" 2> "$RAW/record-$i.log"
+        echo "process $i exit $?: $(grep -c 'could not record' "$RAW/record-$i.log") recording failures"
+        grep -E "^\| cuda" "$RAW/record-$i.md" | cut -d'|' -f9-17
+    done
+    ;;
+gate)
+    # The workload benchmark's full gate at Qwen3-8B shapes (issue 6): solo, team (8 lanes) and
+    # busy (16 lanes, KV budget nearly full), speculative with the FP8 draft against target-only.
+    echo "== workload gate: solo, team, busy"
+    timeout ${GATE_TIMEOUT:-420} out/bin/bench-workload --device cuda --dtype bf16 --shape qwen3-8b --draft-fp8 \
+        --prompts out/prompts --prompts-per-file 1 --max-new-tokens 48 --workloads solo,team,busy --solo-requests 2 \
+        --team-lanes 8 --busy-lanes 16 --sample-seeds 0 --gate-texts 1 --gate-text-tokens 32 \
+        --out-md "$OUT/workload-gate.md" --out-json "$RAW/workload-gate.json" > "$RAW/workload-gate.log" 2>&1
+    echo "workload exit $?"; grep -E "^\| (solo|team|busy) |peak memory|Gate" "$OUT/workload-gate.md" | cut -c1-400 | head -20
     ;;
 memory)
     echo "== team workload's peak memory, speculative (FP8 draft) against target-only"
