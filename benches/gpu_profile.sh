@@ -79,7 +79,7 @@ gate)
     # busy (16 lanes, KV budget nearly full), speculative with the FP8 draft against target-only.
     echo "== workload gate: solo, team, busy"
     timeout ${GATE_TIMEOUT:-420} out/bin/bench-workload --device cuda --dtype bf16 --shape qwen3-8b --draft-fp8 \
-        --prompts out/prompts --prompts-per-file 1 --max-new-tokens 48 --workloads solo,team,busy --solo-requests 2 \
+        --prompts out/prompts --prompts-per-file 1 --max-new-tokens ${GATE_TOKENS:-48} --workloads solo,team,busy --solo-requests 2 \
         --team-lanes 8 --busy-lanes 16 --sample-seeds 0 --gate-texts 1 --gate-text-tokens 32 \
         --out-md "$OUT/workload-gate.md" --out-json "$RAW/workload-gate.json" > "$RAW/workload-gate.log" 2>&1
     echo "workload exit $?"; grep -E "^\| (solo|team|busy) |peak memory|Gate" "$OUT/workload-gate.md" | cut -c1-400 | head -20
