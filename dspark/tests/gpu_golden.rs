@@ -488,16 +488,17 @@ fn cuda_bf16_qwen3_8b_shapes_recorded_forwards_equal_op_by_op() {
     let requests: Vec<Request> =
         prompts.iter().map(|p| Request { prompt: p.clone(), params: SamplingParams::greedy(64) }).collect();
 
-    // 1. Target logits over windows of 1, 8 and 17 rows: recorded against op by op.
+    // 1. Target logits over windows of 1, 8, 17 and 100 rows (100: padded to 112, past the
+    // 64-row limit of prefill spans): recorded against op by op.
     let t = target();
-    let text: Vec<u32> = (0..80).map(|i| ((i * 3571 + 11) % 151_000) as u32).collect();
+    let text: Vec<u32> = (0..280).map(|i| ((i * 3571 + 11) % 151_000) as u32).collect();
     let windows = |graphs: bool| {
         dspark_kernels::set_graphs_enabled(graphs);
         let mut kv = PagedKvCache::new(t.kv_layout(16), 1 << 30, t.device()).unwrap();
         let seq = kv.allocate();
         let mut rows = logit_rows(&t, &mut kv, seq, &text[..20]);
         let mut at = 20;
-        for width in [1usize, 8, 17, 1, 8, 1, 17] {
+        for width in [1usize, 8, 17, 1, 8, 1, 17, 100, 100] {
             rows.extend(logit_rows(&t, &mut kv, seq, &text[at..at + width]));
             at += width;
         }

@@ -8,7 +8,7 @@ use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
 use super::fp8::{DraftQuant, Fp8Counts, load_projection};
-use super::graphs::{Graphs, HostInputs, MAX_GRAPH_ROWS, Ran, ShapeKey};
+use super::graphs::{Graphs, HostInputs, MAX_GRAPH_ROWS, MAX_SPAN_ROWS, Ran, ShapeKey};
 use super::layer::{AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj, Weight};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::markov_device::DeviceMarkov;
@@ -888,7 +888,7 @@ impl DSparkDraft {
     ) -> Option<Result<()>> {
         let [n, width] = features.dims();
         let table_rows = self.config.base.max_position_embeddings;
-        if n > MAX_GRAPH_ROWS
+        if n > MAX_SPAN_ROWS
             || !super::graphs::recording(&self.device)
             || positions.iter().any(|&p| p >= table_rows)
             || features.dtype() != self.dtype.dtype()
@@ -1283,7 +1283,10 @@ mod tests {
     fn forwards_pad_to_a_few_row_counts() {
         let sizes: std::collections::BTreeSet<usize> =
             (1..=MAX_GRAPH_ROWS).map(crate::model::graphs::padded_rows).collect();
-        assert_eq!(sizes.into_iter().collect::<Vec<_>>(), [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]);
+        assert_eq!(
+            sizes.into_iter().collect::<Vec<_>>(),
+            [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]
+        );
         for rows in 1..=MAX_GRAPH_ROWS {
             assert!(crate::model::graphs::padded_rows(rows) >= rows);
         }

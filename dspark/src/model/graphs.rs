@@ -22,9 +22,14 @@ use dspark_kernels::{DeviceGraph, GraphError, InputBuffer};
 
 use super::layer::AttnPlan;
 
-/// The largest number of rows a recorded forward has; wider ones (prefill) run op by op, where
-/// launch costs are small beside the work.
-pub(crate) const MAX_GRAPH_ROWS: usize = 64;
+/// The largest number of rows a recorded forward has: verify windows and draft rounds of up to
+/// 16 lanes at γ = 7 (128 and 112 rows). Wider ones run op by op.
+pub(crate) const MAX_GRAPH_ROWS: usize = 128;
+
+/// The largest number of rows of a recorded forward that is not a window of query rows (a
+/// prefill chunk, a context extension). Wider ones run op by op, where launch costs are small
+/// beside the work; and they would record one graph per prompt length.
+pub(crate) const MAX_SPAN_ROWS: usize = 64;
 
 /// Most graphs one model keeps. Each holds the pages its launches touched for its life (45–105
 /// MiB each for Qwen3-8B shapes on the H200, measured), so a many-lane workload whose row counts
@@ -33,11 +38,15 @@ pub(crate) const MAX_GRAPH_ROWS: usize = 64;
 pub(crate) const MAX_GRAPHS: usize = 16;
 
 /// The row count a recorded forward of `rows` rows runs at where the cache has a scratch row for
-/// the padding: 1, 2, 4, 8, then multiples of 8 (at most [`MAX_GRAPH_ROWS`]). With many lanes
-/// the rows of a step or an extension change from round to round; padded, a handful of graphs
-/// serve them all.
+/// the padding: 1, 2, 4, 8, then multiples of 8 up to 64, then of 16 (at most
+/// [`MAX_GRAPH_ROWS`]). With many lanes the rows of a step or an extension change from round to
+/// round; padded, a handful of graphs serve them all.
 pub(crate) fn padded_rows(rows: usize) -> usize {
-    let padded = if rows <= 8 { rows.next_power_of_two() } else { rows.div_ceil(8) * 8 };
+    let padded = match rows {
+        0..=8 => rows.next_power_of_two(),
+        9..=64 => rows.div_ceil(8) * 8,
+        _ => rows.div_ceil(16) * 16,
+    };
     padded.min(MAX_GRAPH_ROWS).max(rows)
 }
 

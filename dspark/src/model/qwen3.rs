@@ -433,9 +433,9 @@ impl Qwen3 {
     }
 
     /// The forward as a replay of the graph recorded for its shape (recorded now when new), on
-    /// devices where graphs run and for at most [`super::graphs::MAX_GRAPH_ROWS`] rows. Its
-    /// outputs equal the op-by-op forward's bit for bit: the same body, reading the same values
-    /// from device buffers instead of fresh uploads.
+    /// devices where graphs run and for at most [`super::graphs::MAX_GRAPH_ROWS`] rows (prefill:
+    /// [`super::graphs::MAX_SPAN_ROWS`]). Its outputs equal the op-by-op forward's bit for bit:
+    /// the same body, reading the same values from device buffers instead of fresh uploads.
     fn forward_recorded(
         &self,
         tokens: &[i64],
@@ -453,7 +453,11 @@ impl Qwen3 {
             return Recorded::No(plan);
         }
         let table_rows = self.config.max_position_embeddings;
-        if positions.iter().any(|&p| p >= table_rows) {
+        // Past MAX_SPAN_ROWS only windows whose every row is scored (verify windows, many-lane
+        // steps) are recorded; a long prefill runs op by op.
+        if positions.iter().any(|&p| p >= table_rows)
+            || (real > super::graphs::MAX_SPAN_ROWS && picks != real)
+        {
             return Recorded::No(plan);
         }
         let (cos_t, sin_t) =
