@@ -378,9 +378,9 @@ impl InputBuffer {
         false
     }
 
-    /// `buffer[0 .. values.len()] = values`, each converted to the buffer's integer dtype
-    /// (values past its length are not written; a caller bug reported by `debug_assert`).
-    pub fn write(&mut self, values: &[i64]) {
+    /// `buffer[0 .. values.len()] = values` (i32 or i64), each converted to the buffer's integer
+    /// dtype (values past its length are not written; a caller bug reported by `debug_assert`).
+    pub fn write<T: Copy + Into<i64>>(&mut self, values: &[T]) {
         debug_assert!(values.len() <= self.len(), "InputBuffer::write: {} into {}", values.len(), self.len());
         let n = values.len().min(self.len());
         if n == 0 {
@@ -393,7 +393,8 @@ impl InputBuffer {
         }
         let opts =
             burn::tensor::TensorCreationOptions::new(self.tensor.device()).with_dtype(self.tensor.dtype());
-        let src = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(values[..n].to_vec(), [n]), opts);
+        let values: Vec<i64> = values[..n].iter().map(|&v| v.into()).collect();
+        let src = Tensor::<1, Int>::from_data(burn::tensor::TensorData::new(values, [n]), opts);
         self.tensor = write_into(self.tensor.clone(), src);
     }
 }

@@ -807,7 +807,12 @@ fn graph_input_buffers_write_in_place() {
             |t: Tensor<1, burn::tensor::Int>| t.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
         for round in 0..3i64 {
             let values: Vec<i64> = (0..40).map(|i| 1_000 * (round + 1) + i * 7 - 9_000).collect();
-            buffer.write(&values);
+            // Round 1 writes i32 values, the others i64: both land in either dtype.
+            if round == 1 {
+                buffer.write(&values.iter().map(|&v| v as i32).collect::<Vec<i32>>());
+            } else {
+                buffer.write(&values);
+            }
             // SAFETY: the buffer and `out` are alive until the reads below.
             unsafe { graph.replay() }.unwrap();
             let got = out.clone().into_data().convert::<f32>().try_into_vec::<f32>().unwrap();

@@ -195,15 +195,16 @@ impl HostWrites {
     /// past its length are not written). Enqueued on the calling thread's stream, after the
     /// launches issued so far; the caller flushes whatever queued work reads the old values
     /// first.
-    pub(crate) fn write(&self, values: &[i64]) {
+    pub(crate) fn write<T: Copy + Into<i64>>(&self, values: &[T]) {
         let n = values.len().min(self.len);
         if n == 0 {
             return;
         }
+        let values = &values[..n];
         let bytes = if self.width == 8 {
-            cubecl::bytes::Bytes::from_elems(values[..n].to_vec())
+            cubecl::bytes::Bytes::from_elems(values.iter().map(|&v| v.into()).collect::<Vec<i64>>())
         } else {
-            cubecl::bytes::Bytes::from_elems(values[..n].iter().map(|&v| v as i32).collect::<Vec<i32>>())
+            cubecl::bytes::Bytes::from_elems(values.iter().map(|&v| v.into() as i32).collect::<Vec<i32>>())
         };
         self.client.write(&self.handle, bytes);
     }

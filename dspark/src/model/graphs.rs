@@ -265,9 +265,9 @@ impl Graphs {
         // is what reads them, so the next call's writes come after it.
         bound.ints.write(&host.ints);
         // Only the keys in use are written; the rest of the table is never read.
-        let mut table: Vec<i64> = host.meta.iter().map(|&v| i64::from(v)).collect();
+        let mut table = host.meta;
         table.resize(2 * MAX_GRAPH_ROWS, 0);
-        table.extend(host.keys.iter().map(|&v| i64::from(v)));
+        table.extend_from_slice(&host.keys);
         bound.tables.write(&table);
         if let Some(f) = host.floats {
             let [rows, width] = f.dims();
