@@ -260,6 +260,28 @@ pub fn linear_fp8(x: Tensor<2>, weight: &Fp8Matrix) -> Tensor<2> {
     crate::reference::linear_fp8(x, weight)
 }
 
+/// [`crate::linear_add_rms_norm`] for an FP8 weight: `(s, RMSNorm(s)·norm)` with
+/// `s = x + linear_fp8(a, W)`, the same bits as [`linear_fp8`] then [`crate::add_rms_norm`];
+/// on CUDA a split product's combine, the residual add and the norm are one kernel.
+pub fn linear_fp8_add_rms_norm(
+    x: Tensor<2>,
+    a: Tensor<2>,
+    weight: &Fp8Matrix,
+    norm: &Tensor<1>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    #[cfg(feature = "cuda")]
+    if crate::kernels_enabled()
+        && x.dims() == [a.dims()[0], weight.out]
+        && x.dtype() == a.dtype()
+        && crate::cuda::gemm_fp8::takes(&a, weight)
+        && crate::cuda::fused::takes_norm(&x, norm)
+    {
+        return crate::cuda::fused::linear_fp8_add_rms_norm(x, a, weight, norm, eps);
+    }
+    crate::add_rms_norm(x, linear_fp8(a, weight), norm, eps)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

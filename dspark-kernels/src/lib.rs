@@ -38,7 +38,7 @@ pub fn kernels_enabled() -> bool {
     KERNELS.load(Ordering::Relaxed)
 }
 
-pub use fp8::{Fp8Matrix, linear_fp8};
+pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm};
 pub use gemm_plan::{GemmPlan, force_plan};
 pub use graph::{
     DeviceGraph, GraphError, InputBuffer, graph_emulation, graphs_available, set_graph_emulation,
@@ -90,6 +90,92 @@ pub fn add_rms_norm(x: Tensor<2>, delta: Tensor<2>, weight: &Tensor<1>, eps: f64
         return cuda::fused::add_rms_norm(x, delta, weight, eps);
     }
     reference::add_rms_norm(x, delta, weight, eps)
+}
+
+/// The residual add of a projection and the RMSNorm after it: `(s, RMSNorm(s)·norm)` with
+/// `s = x + a·Wᵀ`, as [`linear`] then [`add_rms_norm`] compute them (the same bits).
+///
+/// On CUDA, where [`linear`] runs its kernel with a split reduction (the o and down projections
+/// of Qwen3-8B) for at most 64 rows, the split sums are added, rounded, added to `x` and normed
+/// by one kernel instead of three (the product's combine, the residual add, the norm).
+///
+/// # Shapes
+/// `x`: `[rows, out]`, `a`: `[rows, in]`, `weight`: `[out, in]`, `norm`: `[out]` →
+/// (`[rows, out]`, `[rows, out]`).
+pub fn linear_add_rms_norm(
+    x: Tensor<2>,
+    a: Tensor<2>,
+    weight: &Tensor<2>,
+    norm: &Tensor<1>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled()
+        && x.dims() == [a.dims()[0], weight.dims()[0]]
+        && x.dtype() == a.dtype()
+        && cuda::gemm::takes(&a, weight)
+        && cuda::fused::takes_norm(&x, norm)
+    {
+        return cuda::fused::linear_add_rms_norm(x, a, weight, norm, eps);
+    }
+    add_rms_norm(x, linear(a, weight), norm, eps)
+}
+
+/// The attention input of a layer from one fused q/k/v projection output `y` (q heads at
+/// column 0, then `kv_heads` k heads, then as many v heads): q normed and rotated, returned;
+/// k normed and rotated and v as it is, stored at pool rows `rows` of `k_pool` and `v_pool`.
+/// The values are those of [`qk_norm_rope`] (q and k) and a row assignment into the pools
+/// ([`reference::qkv_norm_rope_store`]); on CUDA in bf16 it is one kernel, which writes the
+/// pools in place.
+///
+/// # Shapes
+/// `y`: `[n, ≥ (heads + 2·kv_heads)·head_dim]`, `cos`/`sin`: `[n, head_dim]`, `rows`: `[n]`,
+/// pools: `[pool_rows, kv_heads, head_dim]` → q `[n, heads, head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_norm_rope_store(
+    y: Tensor<2>,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    q_norm: &Tensor<1>,
+    k_norm: &Tensor<1>,
+    (cos, sin): (&Tensor<2>, &Tensor<2>),
+    eps: f64,
+    rows: &Tensor<1, Int>,
+    k_pool: &mut Tensor<3>,
+    v_pool: &mut Tensor<3>,
+) -> Tensor<3> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled()
+        && cuda::fused::takes_qkv_store(
+            &y, heads, kv_heads, head_dim, q_norm, k_norm, cos, sin, rows, k_pool, v_pool,
+        )
+    {
+        let mut q = None;
+        k_pool.inplace(|k| {
+            let mut k_out = None;
+            v_pool.inplace(|v| {
+                let (q_new, k_new, v_new) = cuda::fused::qkv_norm_rope_store(
+                    y, heads, head_dim, q_norm, k_norm, cos, sin, eps, rows, k, v,
+                );
+                q = Some(q_new);
+                k_out = Some(k_new);
+                v_new
+            });
+            // `inplace` runs its closure exactly once.
+            k_out.expect("the pool update ran")
+        });
+        return q.expect("the pool update ran");
+    }
+    reference::qkv_norm_rope_store(
+        y,
+        (heads, kv_heads, head_dim),
+        q_norm,
+        k_norm,
+        (cos, sin),
+        eps,
+        rows,
+        k_pool,
+        v_pool,
+    )
 }
 
 /// Per-head RMSNorm then RoPE of `heads` heads starting at column `offset` of `x`, as

@@ -72,6 +72,30 @@ pub fn add_rms_norm(x: Tensor<2>, delta: Tensor<2>, weight: &Tensor<1>, eps: f64
     (sum.clone(), rms_norm(sum, weight, eps))
 }
 
+/// The body of [`crate::qkv_norm_rope_store`]: q and k through [`crate::qk_norm_rope`], v as
+/// it is, k and v assigned to pool rows `rows`.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_norm_rope_store(
+    y: Tensor<2>,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    q_norm: &Tensor<1>,
+    k_norm: &Tensor<1>,
+    (cos, sin): (&Tensor<2>, &Tensor<2>),
+    eps: f64,
+    rows: &Tensor<1, Int>,
+    k_pool: &mut Tensor<3>,
+    v_pool: &mut Tensor<3>,
+) -> Tensor<3> {
+    let n = y.dims()[0];
+    let q = crate::qk_norm_rope(y.clone(), 0, heads, head_dim, q_norm, cos, sin, eps);
+    let k = crate::qk_norm_rope(y.clone(), heads * head_dim, kv_heads, head_dim, k_norm, cos, sin, eps);
+    let v = y.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim).reshape([n, kv_heads, head_dim]);
+    let assign = burn::tensor::IndexingUpdateOp::Assign;
+    k_pool.inplace(|t| t.select_assign(0, rows.clone(), k, assign));
+    v_pool.inplace(|t| t.select_assign(0, rows.clone(), v, assign));
+    q
+}
+
 /// Per-head RMSNorm and RoPE of `heads` heads read from column `offset` of `x` (q or k out of a
 /// fused q/k/v projection) — the body of [`crate::qk_norm_rope`].
 ///
@@ -218,6 +242,57 @@ pub fn paged_attention(
 mod tests {
     use super::*;
     use burn::tensor::{Device, Distribution};
+
+    #[test]
+    fn qkv_store_puts_k_and_v_at_the_named_pool_rows_and_keeps_the_rest() {
+        let device = Device::flex();
+        let (heads, kv_heads, hd, rows, pool_rows) = (2usize, 1usize, 4usize, 3usize, 6usize);
+        let width = (heads + 2 * kv_heads) * hd;
+        let y = Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), &device);
+        let (cos, sin) = (
+            Tensor::<2>::random([rows, hd], Distribution::Normal(0.0, 1.0), &device),
+            Tensor::<2>::random([rows, hd], Distribution::Normal(0.0, 1.0), &device),
+        );
+        let (wq, wk) = (
+            Tensor::<1>::random([hd], Distribution::Normal(1.0, 0.1), &device),
+            Tensor::<1>::random([hd], Distribution::Normal(1.0, 0.1), &device),
+        );
+        let at = [4i64, 0, 2];
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(at.to_vec(), [rows]), &device);
+        let pool = |v: f32| Tensor::<3>::full([pool_rows, kv_heads, hd], v, &device);
+        let (mut kp, mut vp) = (pool(7.0), pool(-7.0));
+        let q = qkv_norm_rope_store(
+            y.clone(),
+            (heads, kv_heads, hd),
+            &wq,
+            &wk,
+            (&cos, &sin),
+            1e-6,
+            &idx,
+            &mut kp,
+            &mut vp,
+        );
+        let vec = |t: Tensor<3>| t.into_data().try_to_vec::<f32>().expect("f32");
+        assert_eq!(vec(q), vec(qk_norm_rope(y.clone(), 0, heads, hd, &wq, &cos, &sin, 1e-6)));
+        let k = vec(qk_norm_rope(y.clone(), heads * hd, kv_heads, hd, &wk, &cos, &sin, 1e-6));
+        let yv = y.into_data().try_to_vec::<f32>().expect("f32");
+        let (kv, vv) = (vec(kp), vec(vp));
+        let len = kv_heads * hd;
+        for p in 0..pool_rows {
+            let (k_row, v_row) = (&kv[p * len..(p + 1) * len], &vv[p * len..(p + 1) * len]);
+            match at.iter().position(|&a| a as usize == p) {
+                Some(r) => {
+                    assert_eq!(k_row, &k[r * len..(r + 1) * len], "k at pool row {p}");
+                    let v_at = r * width + (heads + kv_heads) * hd;
+                    assert_eq!(v_row, &yv[v_at..v_at + len], "v at pool row {p}");
+                }
+                None => {
+                    assert!(k_row.iter().all(|&v| v == 7.0), "k pool row {p} kept");
+                    assert!(v_row.iter().all(|&v| v == -7.0), "v pool row {p} kept");
+                }
+            }
+        }
+    }
 
     #[test]
     fn argmax_rows_takes_the_lowest_index_of_the_max_and_skips_nan() {

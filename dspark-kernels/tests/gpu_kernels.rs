@@ -826,3 +826,200 @@ fn graph_input_buffers_write_in_place() {
         }
     }
 }
+
+/// The product's combine, the residual add and the norm in one kernel: the same bits as the
+/// product then `add_rms_norm` on every row (bf16 and FP8 weights, split and whole plans,
+/// 1..100 rows; past 64 rows the call goes the unfused way), and, on the first and last rows, as
+/// close to float64 as the plain-burn body.
+#[test]
+fn linear_add_rms_norm_matches_reference() {
+    use dspark_kernels::fp8::ScaleGrid;
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    let eps = 1e-6;
+    // `[first, last]` rows of a `[rows, width]` host copy.
+    let ends = |v: &[f32], rows: usize, width: usize| -> Vec<f32> {
+        [&v[..width], &v[(rows - 1) * width..]].concat()
+    };
+    // (in, out): o (split in 2), down (2), a k/v-sized product (4), a fused q/k/v (whole).
+    for (i, &(inp, out)) in
+        [(4096usize, 4096usize), (12288, 4096), (4096, 1024), (4096, 6144)].iter().enumerate()
+    {
+        let weight = random(out, inp, 0.02, &device);
+        let fp8 = Fp8Case::new(out, inp, ScaleGrid::PerRow, 300 + i as u64, &device);
+        let norm = norm_weight(out, &device);
+        let (wh, nh) = (host(weight.clone()), host1(norm.clone()));
+        // The FP8 weight in float64, once.
+        let w8: Vec<f32> = (0..out)
+            .flat_map(|r| (0..inp).map(move |c| (r, c)))
+            .map(|(r, c)| fp8.weight(r, c) as f32)
+            .collect();
+        for &rows in &[1usize, 8, 17, 64, 100] {
+            let x = random(rows, out, 1.0, &device);
+            let a = random(rows, inp, 1.0, &device);
+            let (xh, ah) = (ends(&host(x.clone()), rows, out), ends(&host(a.clone()), rows, inp));
+            let want = |w: &[f32]| -> Vec<f64> {
+                let delta = reference_f64(&ah, w, 2, inp, out);
+                let sums: Vec<f64> = xh.iter().zip(&delta).map(|(&v, d)| f64::from(v) + d).collect();
+                (0..2).flat_map(|r| rms_f64(&sums[r * out..(r + 1) * out], &nh, eps)).collect()
+            };
+            // bf16 weight.
+            poison(rows * out, &device);
+            let (s, y) = dspark_kernels::linear_add_rms_norm(x.clone(), a.clone(), &weight, &norm, eps);
+            let (s_un, y_un) = dspark_kernels::add_rms_norm(
+                x.clone(),
+                dspark_kernels::linear(a.clone(), &weight),
+                &norm,
+                eps,
+            );
+            let (s, y) = (host(s), host(y));
+            assert_eq!(s, host(s_un), "bf16 {inp}->{out} rows {rows}: sum differs from the unfused calls");
+            assert_eq!(y, host(y_un), "bf16 {inp}->{out} rows {rows}: norm differs from the unfused calls");
+            let (_, y_body) = dspark_kernels::reference::add_rms_norm(
+                x.clone(),
+                dspark_kernels::reference::linear(a.clone(), &weight),
+                &norm,
+                eps,
+            );
+            let what = format!("linear_add_rms_norm {inp}->{out} rows {rows}");
+            check_close(&what, &ends(&y, rows, out), &ends(&host(y_body), rows, out), &want(&wh));
+            // FP8 weight (its float64 values rounded to f32).
+            poison(rows * out, &device);
+            let (s, y) = dspark_kernels::linear_fp8_add_rms_norm(x.clone(), a.clone(), &fp8.m, &norm, eps);
+            let (s_un, y_un) = dspark_kernels::add_rms_norm(
+                x.clone(),
+                dspark_kernels::linear_fp8(a.clone(), &fp8.m),
+                &norm,
+                eps,
+            );
+            let (s, y) = (host(s), host(y));
+            assert_eq!(s, host(s_un), "fp8 {inp}->{out} rows {rows}: sum differs from the unfused calls");
+            assert_eq!(y, host(y_un), "fp8 {inp}->{out} rows {rows}: norm differs from the unfused calls");
+            let err = rel_err(&ends(&y, rows, out), &want(&w8));
+            println!("linear_fp8_add_rms_norm {inp}->{out} rows {rows}: rel err {err:.2e}");
+            assert!(err <= 6e-3, "fp8 {inp}->{out} rows {rows}: rel err {err:.3e}");
+        }
+    }
+}
+
+/// q/k norm + RoPE and both K/V stores in one kernel: q as `qk_norm_rope` gives it, the pool
+/// rows named by the index (i32 and i64) holding k and v exactly, every other pool row
+/// unchanged, and the same pools as the plain-burn body's row assignment.
+#[test]
+fn qkv_norm_rope_store_matches_reference() {
+    let device = cuda();
+    let eps = 1e-6;
+    let pool_rows = 300usize;
+    for &(heads, kv_heads, hd) in &[(32usize, 8usize, 128usize), (8, 2, 64)] {
+        let width = (heads + 2 * kv_heads) * hd;
+        let (wq, wk) = (norm_weight(hd, &device), norm_weight(hd, &device));
+        for &rows in &[1usize, 8, 17, 64] {
+            for dtype in [DType::I32, DType::I64] {
+                let y = random(rows, width, 1.0, &device);
+                let (cos, sin) = (random(rows, hd, 0.7, &device), random(rows, hd, 0.7, &device));
+                let at: Vec<usize> = (0..rows).map(|r| (r * 37 + 11) % pool_rows).collect();
+                let idx = Tensor::<1, burn::tensor::Int>::from_data(
+                    burn::tensor::TensorData::new(at.iter().map(|&v| v as i64).collect::<Vec<_>>(), [rows]),
+                    &device,
+                )
+                .cast(dtype);
+                let pool = |seed: f64| {
+                    random(pool_rows, kv_heads * hd, seed, &device).reshape([pool_rows, kv_heads, hd])
+                };
+                let (k0, v0) = (pool(1.0), pool(2.0));
+                let flat = |t: &Tensor<3>| host(t.clone().reshape([t.dims()[0], t.dims()[1] * t.dims()[2]]));
+                let (k0h, v0h) = (flat(&k0), flat(&v0));
+                // The kernel on fresh copies it owns alone (written in place).
+                let (mut kp, mut vp) = (k0.clone().add_scalar(0.0), v0.clone().add_scalar(0.0));
+                poison(rows * heads * hd, &device);
+                let q = dspark_kernels::qkv_norm_rope_store(
+                    y.clone(),
+                    (heads, kv_heads, hd),
+                    &wq,
+                    &wk,
+                    (&cos, &sin),
+                    eps,
+                    &idx,
+                    &mut kp,
+                    &mut vp,
+                );
+                let what = format!("{heads}/{kv_heads}x{hd} rows {rows} {dtype:?}");
+                let q_want = dspark_kernels::qk_norm_rope(y.clone(), 0, heads, hd, &wq, &cos, &sin, eps);
+                assert_eq!(flat_row(q), flat_row(q_want), "{what}: q");
+                let k_want = flat_row(dspark_kernels::qk_norm_rope(
+                    y.clone(),
+                    heads * hd,
+                    kv_heads,
+                    hd,
+                    &wk,
+                    &cos,
+                    &sin,
+                    eps,
+                ));
+                let yh = host(y.clone());
+                let (kh, vh) = (flat(&kp), flat(&vp));
+                let row_len = kv_heads * hd;
+                for p in 0..pool_rows {
+                    let (k_row, v_row) =
+                        (&kh[p * row_len..(p + 1) * row_len], &vh[p * row_len..(p + 1) * row_len]);
+                    match at.iter().position(|&a| a == p) {
+                        Some(r) => {
+                            assert_eq!(
+                                k_row,
+                                &k_want[r * row_len..(r + 1) * row_len],
+                                "{what}: k at pool row {p}"
+                            );
+                            let v_src = r * width + (heads + kv_heads) * hd;
+                            assert_eq!(v_row, &yh[v_src..v_src + row_len], "{what}: v at pool row {p}");
+                        }
+                        None => {
+                            assert_eq!(
+                                k_row,
+                                &k0h[p * row_len..(p + 1) * row_len],
+                                "{what}: k pool row {p} changed"
+                            );
+                            assert_eq!(
+                                v_row,
+                                &v0h[p * row_len..(p + 1) * row_len],
+                                "{what}: v pool row {p} changed"
+                            );
+                        }
+                    }
+                }
+                // The plain-burn body gives the same pools; a shared pool is not written in place.
+                let (mut kb, mut vb) = (k0.clone(), v0.clone());
+                let _ = dspark_kernels::reference::qkv_norm_rope_store(
+                    y.clone(),
+                    (heads, kv_heads, hd),
+                    &wq,
+                    &wk,
+                    (&cos, &sin),
+                    eps,
+                    &idx,
+                    &mut kb,
+                    &mut vb,
+                );
+                assert_eq!((flat(&kb), flat(&vb)), (kh, vh), "{what}: pools differ from the body's");
+                assert_eq!(
+                    (flat(&k0), flat(&v0)),
+                    (k0h.clone(), v0h.clone()),
+                    "{what}: a shared pool was written"
+                );
+                let (mut ks, mut vs) = (k0.clone(), v0.clone());
+                let _ = dspark_kernels::qkv_norm_rope_store(
+                    y,
+                    (heads, kv_heads, hd),
+                    &wq,
+                    &wk,
+                    (&cos, &sin),
+                    eps,
+                    &idx,
+                    &mut ks,
+                    &mut vs,
+                );
+                assert_eq!((flat(&k0), flat(&v0)), (k0h, v0h), "{what}: the kernel wrote a shared pool");
+                println!("qkv_norm_rope_store {what}: q, k and v rows exact, other rows kept");
+            }
+        }
+    }
+}

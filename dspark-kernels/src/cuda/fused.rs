@@ -26,42 +26,76 @@ fn on_cuda(t: &Tensor<2>) -> bool {
 /// `RMSNorm(x)·w`, as [`crate::reference::rms_norm`] rounds it; with `residual`, first
 /// `x ← bf16(x + delta)`, which is written to `sum` and normed.
 ///
+/// With `splits > 0` the delta is not read from `delta` but made from the f32 partial sums of a
+/// split product, `parts` `[splits, rows·d]` (`parts_len = rows·d`): `bf16(Σ_p parts[p])` in
+/// split order, the very value the product's own combine kernel writes. The product's combine,
+/// the residual add and the norm are then one launch, with the same bits as three.
+///
 /// One cube per row; `x`, `delta`, `sum`, `out`: `[rows, d]`, `w`: `[d]`, bf16, contiguous.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rms_norm_kernel(
     x: &[bf16],
     delta: &[bf16],
+    parts: &[f32],
     w: &[bf16],
     sum: &mut [bf16],
     out: &mut [bf16],
     eps: f32,
     inv_d: f32,
+    parts_len: u32,
     #[comptime] d: usize,
     #[comptime] residual: bool,
+    #[comptime] splits: usize,
 ) {
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let base = row * d;
     let per_thread = comptime!(d.div_ceil(NORM_THREADS));
-    // 1. This thread's elements (after the residual add), and its sum of squares in order; its
-    //    weights are requested now too, so their reads overlap the reduction.
+    // 1. Every read of this thread first (its elements, their deltas, its weights), with no
+    //    store in between: the stores to `sum` could alias them as far as the compiler knows,
+    //    so reads issued after a store would each wait for the one before (measured: 9.7 µs
+    //    instead of about 3 for one 4096-wide row with a two-way split delta).
     let mut vals = Array::<f32>::new(per_thread);
+    let mut ds = Array::<f32>::new(per_thread);
     let mut ws = Array::<f32>::new(per_thread);
+    #[unroll]
+    for j in 0..per_thread {
+        let i = j * NORM_THREADS + tid;
+        vals[j] = 0.0f32;
+        ds[j] = 0.0f32;
+        ws[j] = 0.0f32;
+        if i < d {
+            ws[j] = f32::cast_from(w[i]);
+            vals[j] = f32::cast_from(x[base + i]);
+            if residual {
+                // The delta: bf16, or the f32 sums of a split product added in split order and
+                // rounded once, as the product's own combine would have written it.
+                ds[j] = if comptime![splits > 0] {
+                    let mut acc = parts[base + i];
+                    #[unroll]
+                    for p in 1..splits {
+                        acc += parts[p * parts_len as usize + base + i];
+                    }
+                    f32::cast_from(bf16::cast_from(acc))
+                } else {
+                    f32::cast_from(delta[base + i])
+                };
+            }
+        }
+    }
+    // 1b. The residual add (stored), and the sum of squares in order.
     let mut part = 0.0f32;
     #[unroll]
     for j in 0..per_thread {
         let i = j * NORM_THREADS + tid;
-        let mut v = 0.0f32;
-        ws[j] = 0.0f32;
-        if i < d {
-            ws[j] = f32::cast_from(w[i]);
-            v = f32::cast_from(x[base + i]);
-            if residual {
-                let s = bf16::cast_from(v + f32::cast_from(delta[base + i]));
+        let mut v = vals[j];
+        if residual {
+            let s = bf16::cast_from(v + ds[j]);
+            if i < d {
                 sum[base + i] = s;
-                v = f32::cast_from(s);
             }
+            v = f32::cast_from(s);
         }
         vals[j] = v;
         part += v * v;
@@ -90,12 +124,75 @@ fn rms_norm_kernel(
     }
 }
 
+/// `RoPE(RMSNorm(x[base .. base + hd])·w)` of one head, by one warp, written to
+/// `out[o .. o + hd]`; `t` is the row's offset in the rotary tables.
+///
+/// Lane `l` holds the rotary pairs `(i, i + hd/2)`, `i = 32·j + l`, so the rotation needs no
+/// shuffles. The roundings are the reference's: the norm (rounded, scaled, rounded), then
+/// `out_i = x_i·cos_i + (−x_{i+h})·sin_i`, `out_{i+h} = x_{i+h}·cos_{i+h} + x_i·sin_{i+h}` with
+/// each product rounded.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_rope_head(
+    x: &[bf16],
+    base: usize,
+    w: &[bf16],
+    cos: &[bf16],
+    sin: &[bf16],
+    t: usize,
+    out: &mut [bf16],
+    o: usize,
+    lane: usize,
+    eps: f32,
+    inv_hd: f32,
+    #[comptime] head_dim: usize,
+) {
+    let half = head_dim / 2;
+    let pairs = half / 32;
+    // 1. Every read first (the lane's pairs, weights and rotary entries: a store to `out` could
+    //    alias a later read as far as the compiler knows), then the pairs' sum of squares.
+    let mut a = Array::<f32>::new(pairs);
+    let mut b = Array::<f32>::new(pairs);
+    let mut wl = Array::<f32>::new(pairs);
+    let mut wh = Array::<f32>::new(pairs);
+    let mut rot = Array::<f32>::new(4 * pairs);
+    let mut part = 0.0f32;
+    #[unroll]
+    for j in 0..pairs {
+        let i = j * 32 + lane;
+        a[j] = f32::cast_from(x[base + i]);
+        b[j] = f32::cast_from(x[base + i + half]);
+        wl[j] = f32::cast_from(w[i]);
+        wh[j] = f32::cast_from(w[i + half]);
+        rot[4 * j] = f32::cast_from(cos[t + i]);
+        rot[4 * j + 1] = f32::cast_from(sin[t + i]);
+        rot[4 * j + 2] = f32::cast_from(cos[t + i + half]);
+        rot[4 * j + 3] = f32::cast_from(sin[t + i + half]);
+        part += a[j] * a[j];
+        part += b[j] * b[j];
+    }
+    let total = plane_sum(part);
+    let inv = 1.0f32 / f32::sqrt(total * inv_hd + eps);
+    // 2. Norm, then rotate-half.
+    #[unroll]
+    for j in 0..pairs {
+        let i = j * 32 + lane;
+        let na = f32::cast_from(bf16::cast_from(f32::cast_from(bf16::cast_from(a[j] * inv)) * wl[j]));
+        let nb = f32::cast_from(bf16::cast_from(f32::cast_from(bf16::cast_from(b[j] * inv)) * wh[j]));
+        let lo_c = f32::cast_from(bf16::cast_from(na * rot[4 * j]));
+        let lo_s = f32::cast_from(bf16::cast_from(-nb * rot[4 * j + 1]));
+        let hi_c = f32::cast_from(bf16::cast_from(nb * rot[4 * j + 2]));
+        let hi_s = f32::cast_from(bf16::cast_from(na * rot[4 * j + 3]));
+        out[o + i] = bf16::cast_from(lo_c + lo_s);
+        out[o + i + half] = bf16::cast_from(hi_c + hi_s);
+    }
+}
+
 /// Per-head `RoPE(RMSNorm(x_h)·w)` of q or k, read from column `offset` of a row that is
 /// `stride` elements wide (so q and k come straight out of a fused q/k/v projection).
 ///
-/// One warp per (row, head); lane `l` holds the rotary pairs `(i, i + hd/2)`, `i = 32·j + l`,
-/// so the rotation needs no shuffles. `x`: `[rows, stride]`, `w`: `[hd]`, `cos`/`sin`:
-/// `[rows, hd]`, `out`: `[rows, heads, hd]`, bf16.
+/// One warp per (row, head) ([`norm_rope_head`]). `x`: `[rows, stride]`, `w`: `[hd]`,
+/// `cos`/`sin`: `[rows, hd]`, `out`: `[rows, heads, hd]`, bf16.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn qk_norm_rope_kernel(
@@ -114,42 +211,65 @@ fn qk_norm_rope_kernel(
     let head = CUBE_POS_Y as usize;
     let heads = CUBE_COUNT_Y as usize;
     let lane = UNIT_POS_X as usize;
-    let half = head_dim / 2;
-    let pairs = half / 32;
     let base = row * stride as usize + offset as usize + head * head_dim;
-    // 1. The lane's pairs and their sum of squares.
-    let mut a = Array::<f32>::new(pairs);
-    let mut b = Array::<f32>::new(pairs);
-    let mut part = 0.0f32;
-    #[unroll]
-    for j in 0..pairs {
-        let i = j * 32 + lane;
-        a[j] = f32::cast_from(x[base + i]);
-        b[j] = f32::cast_from(x[base + i + half]);
-        part += a[j] * a[j];
-        part += b[j] * b[j];
-    }
-    let total = plane_sum(part);
-    let inv = 1.0f32 / f32::sqrt(total * inv_hd + eps);
-    // 2. Norm (rounded, scaled, rounded), then rotate-half with the reference's roundings:
-    //    out_i = x_i·cos_i + (−x_{i+h})·sin_i, out_{i+h} = x_{i+h}·cos_{i+h} + x_i·sin_{i+h}.
-    let t = row * head_dim;
     let o = (row * heads + head) * head_dim;
-    #[unroll]
-    for j in 0..pairs {
-        let i = j * 32 + lane;
-        let na = f32::cast_from(bf16::cast_from(
-            f32::cast_from(bf16::cast_from(a[j] * inv)) * f32::cast_from(w[i]),
-        ));
-        let nb = f32::cast_from(bf16::cast_from(
-            f32::cast_from(bf16::cast_from(b[j] * inv)) * f32::cast_from(w[i + half]),
-        ));
-        let lo_c = f32::cast_from(bf16::cast_from(na * f32::cast_from(cos[t + i])));
-        let lo_s = f32::cast_from(bf16::cast_from(-nb * f32::cast_from(sin[t + i])));
-        let hi_c = f32::cast_from(bf16::cast_from(nb * f32::cast_from(cos[t + i + half])));
-        let hi_s = f32::cast_from(bf16::cast_from(na * f32::cast_from(sin[t + i + half])));
-        out[o + i] = bf16::cast_from(lo_c + lo_s);
-        out[o + i + half] = bf16::cast_from(hi_c + hi_s);
+    norm_rope_head(x, base, w, cos, sin, row * head_dim, out, o, lane, eps, inv_hd, head_dim);
+}
+
+/// The whole attention input of a layer from one fused q/k/v projection output, in one launch:
+/// q heads normed and rotated into `q`, k heads normed and rotated and v heads copied straight
+/// into the K/V pools at each row's pool row `idx[row]`.
+///
+/// One warp per (row, head) over `heads + 2·kv_heads` heads: the heads of `y`'s row in column
+/// order (q, then k, then v). `y`: `[rows, stride]`, `q`: `[rows, heads, hd]`, pools:
+/// `[pool_rows, kv_heads, hd]`, bf16; `idx`: `[rows]` i32 or i64 read as 32-bit words
+/// (`idx_words` per entry, the low word first: pool rows are below 2³¹).
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn qkv_store_kernel(
+    y: &[bf16],
+    q_w: &[bf16],
+    k_w: &[bf16],
+    cos: &[bf16],
+    sin: &[bf16],
+    idx: &[u32],
+    q: &mut [bf16],
+    k_pool: &mut [bf16],
+    v_pool: &mut [bf16],
+    stride: u32,
+    eps: f32,
+    inv_hd: f32,
+    #[comptime] heads: usize,
+    #[comptime] kv_heads: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] idx_words: usize,
+) {
+    let row = CUBE_POS_X as usize;
+    let head = CUBE_POS_Y as usize;
+    let lane = UNIT_POS_X as usize;
+    let base = row * stride as usize + head * head_dim;
+    let t = row * head_dim;
+    if head < heads {
+        let o = (row * heads + head) * head_dim;
+        norm_rope_head(y, base, q_w, cos, sin, t, q, o, lane, eps, inv_hd, head_dim);
+    } else {
+        let dst = idx[row * idx_words] as usize;
+        if head < heads + kv_heads {
+            let o = (dst * kv_heads + head - heads) * head_dim;
+            norm_rope_head(y, base, k_w, cos, sin, t, k_pool, o, lane, eps, inv_hd, head_dim);
+        } else {
+            let o = (dst * kv_heads + head - heads - kv_heads) * head_dim;
+            // Reads first, then stores (see `norm_rope_head`).
+            let mut vals = Array::<bf16>::new(head_dim / 32);
+            #[unroll]
+            for j in 0..head_dim / 32 {
+                vals[j] = y[base + j * 32 + lane];
+            }
+            #[unroll]
+            for j in 0..head_dim / 32 {
+                v_pool[o + j * 32 + lane] = vals[j];
+            }
+        }
     }
 }
 
@@ -229,33 +349,60 @@ fn launch_norm(
     w: CubeTensor,
     eps: f32,
 ) -> (CubeTensor, CubeTensor) {
+    let delta = delta.map(burn_cubecl::kernel::into_contiguous);
+    launch_norm_from(x, delta.map(Delta::Rows), w, eps)
+}
+
+/// Where a residual norm's delta comes from.
+pub(crate) enum Delta {
+    /// A bf16 `[rows, d]` tensor.
+    Rows(CubeTensor),
+    /// The f32 partial sums `[splits, rows·d]` of a split product (see [`rms_norm_kernel`]).
+    Parts(CubeTensor, usize),
+}
+
+/// [`rms_norm_kernel`] over `x` (contiguous on return), with the residual add of `delta` when
+/// given: `(sum, out)` (without a delta `sum` is `out`'s buffer and not written).
+pub(crate) fn launch_norm_from(
+    x: CubeTensor,
+    delta: Option<Delta>,
+    w: CubeTensor,
+    eps: f32,
+) -> (CubeTensor, CubeTensor) {
     let contiguous = burn_cubecl::kernel::into_contiguous;
     let (x, w) = (contiguous(x), contiguous(w));
-    let delta = delta.map(contiguous);
     let [rows, d] = [x.meta.shape()[0], x.meta.shape()[1]];
     let client = x.client.clone();
     let out = empty_like(&x, [rows, d].into());
     let residual = delta.is_some();
-    // Without a residual the kernel never touches `delta` or `sum`: `x` and `out` stand in.
+    // Without a residual the kernel never touches `delta`, `parts` or `sum`, and with one it
+    // reads either `delta` or `parts`: `x` and `out` stand in for the others.
     let sum = if residual { empty_like(&x, [rows, d].into()) } else { out.clone() };
-    let delta = delta.unwrap_or_else(|| x.clone());
     let n = rows * d;
-    // SAFETY: every buffer holds `rows·d` bf16 (`w` holds `d`); cube `r` reads and writes row
-    // `r` only.
+    let (delta, parts, parts_len, splits) = match delta {
+        None => (x.handle.clone(), x.handle.clone(), n / 2, 0),
+        Some(Delta::Rows(t)) => (t.handle.clone(), x.handle.clone(), n / 2, 0),
+        Some(Delta::Parts(p, splits)) => (x.handle.clone(), p.handle.clone(), splits * n, splits),
+    };
+    // SAFETY: every bf16 buffer holds `rows·d` elements (`w` holds `d`) and `parts`, when read
+    // (`splits > 0`), `splits·rows·d` f32; cube `r` reads and writes row `r` only (of each split).
     unsafe {
         rms_norm_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
             CubeDim::new_1d(NORM_THREADS as u32),
             BufferArg::from_raw_parts(x.handle.clone(), n),
-            BufferArg::from_raw_parts(delta.handle.clone(), n),
+            BufferArg::from_raw_parts(delta, n),
+            BufferArg::from_raw_parts(parts, parts_len),
             BufferArg::from_raw_parts(w.handle.clone(), d),
             BufferArg::from_raw_parts(sum.handle.clone(), n),
             BufferArg::from_raw_parts(out.handle.clone(), n),
             eps,
             1.0 / d as f32,
+            n as u32,
             d,
             residual,
+            splits,
         );
     }
     (sum, out)
@@ -299,6 +446,102 @@ fn launch_qk(
         );
     }
     out
+}
+
+/// Whether [`launch_qkv_store`] takes this problem (checked on burn tensors): bf16 q/k/v
+/// columns and pools on CUDA, whole rotary pairs per lane, pools of `[_, kv_heads, hd]`, one
+/// i32 or i64 pool row per input row.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn takes_qkv_store(
+    y: &Tensor<2>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    q_w: &Tensor<1>,
+    k_w: &Tensor<1>,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+    idx: &Tensor<1, burn::tensor::Int>,
+    k_pool: &Tensor<3>,
+    v_pool: &Tensor<3>,
+) -> bool {
+    let [rows, width] = y.dims();
+    let pool = [k_pool.dims()[1], k_pool.dims()[2]];
+    rows <= 65_535
+        && (heads + 2 * kv_heads) * head_dim <= width
+        && heads + 2 * kv_heads <= 65_535
+        && takes_qk(y, q_w, cos, head_dim)
+        && k_w.dims()[0] == head_dim
+        && k_w.dtype() == DType::BF16
+        && sin.dims() == cos.dims()
+        && sin.dtype() == DType::BF16
+        && idx.dims()[0] == rows
+        && matches!(idx.dtype(), DType::I32 | DType::I64)
+        && pool == [kv_heads, head_dim]
+        && v_pool.dims() == k_pool.dims()
+        && k_pool.dtype() == DType::BF16
+        && v_pool.dtype() == DType::BF16
+}
+
+/// Launches [`qkv_store_kernel`]: returns q and the pools (the same buffers, written in place;
+/// a pool that is shared or not contiguous is first copied, and the copy is returned).
+#[allow(clippy::too_many_arguments)]
+fn launch_qkv_store(
+    y: CubeTensor,
+    q_w: CubeTensor,
+    k_w: CubeTensor,
+    cos: CubeTensor,
+    sin: CubeTensor,
+    idx: CubeTensor,
+    k_pool: CubeTensor,
+    v_pool: CubeTensor,
+    heads: usize,
+    head_dim: usize,
+    eps: f32,
+) -> (CubeTensor, CubeTensor, CubeTensor) {
+    let contiguous = burn_cubecl::kernel::into_contiguous;
+    let (y, q_w, k_w, cos, sin, idx) =
+        (contiguous(y), contiguous(q_w), contiguous(k_w), contiguous(cos), contiguous(sin), contiguous(idx));
+    // Writable in place only when nothing else holds the pools' buffers (as burn's own row
+    // assignment decides); otherwise into copies, which are returned.
+    let own = |t: CubeTensor| if t.can_mut() && t.is_contiguous() { t } else { contiguous(t.copy()) };
+    let (k_pool, v_pool) = (own(k_pool), own(v_pool));
+    let [rows, stride] = [y.meta.shape()[0], y.meta.shape()[1]];
+    let [pool_rows, kv_heads] = [k_pool.meta.shape()[0], k_pool.meta.shape()[1]];
+    let all = heads + 2 * kv_heads;
+    assert!(all * head_dim <= stride, "qkv_store: heads past the end of the row");
+    let idx_words = idx.dtype.size() / 4;
+    let client = y.client.clone();
+    let q = empty_like(&y, [rows, heads, head_dim].into());
+    let pool_len = pool_rows * kv_heads * head_dim;
+    // SAFETY: `y` holds `rows·stride` bf16 and cube (r, h) reads row r's columns
+    // `h·hd .. (h+1)·hd < stride` (checked above); tables hold `rows·hd`, `idx` `rows` entries of
+    // `idx_words` words; cube (r, h) writes q[r, h] (h < heads) or one head of pool row idx[r],
+    // which the caller keeps below `pool_rows` (the cache hands out only its own rows).
+    unsafe {
+        qkv_store_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(rows as u32, all as u32, 1),
+            CubeDim::new_1d(32),
+            BufferArg::from_raw_parts(y.handle.clone(), rows * stride),
+            BufferArg::from_raw_parts(q_w.handle.clone(), head_dim),
+            BufferArg::from_raw_parts(k_w.handle.clone(), head_dim),
+            BufferArg::from_raw_parts(cos.handle.clone(), rows * head_dim),
+            BufferArg::from_raw_parts(sin.handle.clone(), rows * head_dim),
+            BufferArg::from_raw_parts(idx.handle.clone(), rows * idx_words),
+            BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim),
+            BufferArg::from_raw_parts(k_pool.handle.clone(), pool_len),
+            BufferArg::from_raw_parts(v_pool.handle.clone(), pool_len),
+            stride as u32,
+            eps,
+            1.0 / head_dim as f32,
+            heads,
+            kv_heads,
+            head_dim,
+            idx_words,
+        );
+    }
+    (q, k_pool, v_pool)
 }
 
 fn launch_swiglu(g: CubeTensor, u: CubeTensor, g_off: usize, u_off: usize, width: usize) -> CubeTensor {
@@ -374,6 +617,51 @@ pub trait FusedOps: burn::backend::Backend {
         eps: f32,
     ) -> burn::backend::tensor::FloatTensor<Self>;
 
+    /// `(s, RMSNorm(s)·w)` with `s = x + a·Wᵀ` for a bf16 weight `[out, in]`.
+    #[fusion(meta = |x, _a, _weight, _w, _eps| (x.clone(), x.clone()))]
+    fn linear_add_rms_norm(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        a: burn::backend::tensor::FloatTensor<Self>,
+        weight: burn::backend::tensor::FloatTensor<Self>,
+        w: burn::backend::tensor::FloatTensor<Self>,
+        eps: f32,
+    ) -> (burn::backend::tensor::FloatTensor<Self>, burn::backend::tensor::FloatTensor<Self>);
+
+    /// `(s, RMSNorm(s)·w)` with `s = x + a·Wᵀ` for an FP8 weight (`words`, `scales`).
+    #[fusion(meta = |x, _a, _words, _scales, _blocked, _w, _eps| (x.clone(), x.clone()))]
+    #[allow(clippy::too_many_arguments)]
+    fn linear_fp8_add_rms_norm(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        a: burn::backend::tensor::FloatTensor<Self>,
+        words: burn::backend::tensor::IntTensor<Self>,
+        scales: burn::backend::tensor::FloatTensor<Self>,
+        blocked: bool,
+        w: burn::backend::tensor::FloatTensor<Self>,
+        eps: f32,
+    ) -> (burn::backend::tensor::FloatTensor<Self>, burn::backend::tensor::FloatTensor<Self>);
+
+    /// q of `heads` heads, with the k and v heads stored at pool rows `idx` (see
+    /// [`qkv_store_kernel`]); returns `(q, k_pool, v_pool)`.
+    #[fusion(meta = qkv_store_meta)]
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_norm_rope_store(
+        y: burn::backend::tensor::FloatTensor<Self>,
+        q_w: burn::backend::tensor::FloatTensor<Self>,
+        k_w: burn::backend::tensor::FloatTensor<Self>,
+        cos: burn::backend::tensor::FloatTensor<Self>,
+        sin: burn::backend::tensor::FloatTensor<Self>,
+        idx: burn::backend::tensor::IntTensor<Self>,
+        k_pool: burn::backend::tensor::FloatTensor<Self>,
+        v_pool: burn::backend::tensor::FloatTensor<Self>,
+        heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> (
+        burn::backend::tensor::FloatTensor<Self>,
+        burn::backend::tensor::FloatTensor<Self>,
+        burn::backend::tensor::FloatTensor<Self>,
+    );
+
     /// `silu(g[:, g_off..])·u[:, u_off..]`, `width` columns.
     #[fusion(dtype = g, shape = swiglu_shape(g, width))]
     fn swiglu_cols(
@@ -407,9 +695,79 @@ impl FusedOps for CubeBackend {
         launch_qk(x, w, cos, sin, offset, heads, head_dim, eps)
     }
 
+    fn linear_add_rms_norm(
+        x: CubeTensor,
+        a: CubeTensor,
+        weight: CubeTensor,
+        w: CubeTensor,
+        eps: f32,
+    ) -> (CubeTensor, CubeTensor) {
+        let delta = match super::gemm::launch_product(a, weight, true) {
+            super::gemm::Product::Rows(y) => Delta::Rows(y),
+            super::gemm::Product::Parts(p, splits) => Delta::Parts(p, splits),
+        };
+        launch_norm_from(x, Some(delta), w, eps)
+    }
+
+    fn linear_fp8_add_rms_norm(
+        x: CubeTensor,
+        a: CubeTensor,
+        words: CubeTensor,
+        scales: CubeTensor,
+        blocked: bool,
+        w: CubeTensor,
+        eps: f32,
+    ) -> (CubeTensor, CubeTensor) {
+        let delta = match super::gemm_fp8::launch_product(a, words, scales, blocked, true) {
+            super::gemm::Product::Rows(y) => Delta::Rows(y),
+            super::gemm::Product::Parts(p, splits) => Delta::Parts(p, splits),
+        };
+        launch_norm_from(x, Some(delta), w, eps)
+    }
+
+    fn qkv_norm_rope_store(
+        y: CubeTensor,
+        q_w: CubeTensor,
+        k_w: CubeTensor,
+        cos: CubeTensor,
+        sin: CubeTensor,
+        idx: CubeTensor,
+        k_pool: CubeTensor,
+        v_pool: CubeTensor,
+        heads: usize,
+        head_dim: usize,
+        eps: f32,
+    ) -> (CubeTensor, CubeTensor, CubeTensor) {
+        launch_qkv_store(y, q_w, k_w, cos, sin, idx, k_pool, v_pool, heads, head_dim, eps)
+    }
+
     fn swiglu_cols(g: CubeTensor, u: CubeTensor, g_off: usize, u_off: usize, width: usize) -> CubeTensor {
         launch_swiglu(g, u, g_off, u_off, width)
     }
+}
+
+/// Output metadata of [`FusedOps::qkv_norm_rope_store`]: q `[rows, heads, hd]`, the pools as
+/// they came.
+#[allow(clippy::too_many_arguments)]
+fn qkv_store_meta(
+    y: &burn::backend::fusion::custom::TensorSpec,
+    _q_w: &burn::backend::fusion::custom::TensorSpec,
+    _k_w: &burn::backend::fusion::custom::TensorSpec,
+    _cos: &burn::backend::fusion::custom::TensorSpec,
+    _sin: &burn::backend::fusion::custom::TensorSpec,
+    _idx: &burn::backend::fusion::custom::TensorSpec,
+    k_pool: &burn::backend::fusion::custom::TensorSpec,
+    v_pool: &burn::backend::fusion::custom::TensorSpec,
+    heads: &usize,
+    head_dim: &usize,
+    _eps: &f32,
+) -> (
+    burn::backend::fusion::custom::TensorSpec,
+    burn::backend::fusion::custom::TensorSpec,
+    burn::backend::fusion::custom::TensorSpec,
+) {
+    let q = burn::backend::fusion::custom::TensorSpec::new([y.shape[0], *heads, *head_dim].into(), y.dtype);
+    (q, k_pool.clone(), v_pool.clone())
 }
 
 pub(crate) fn rms_norm(x: Tensor<2>, w: &Tensor<1>, eps: f64) -> Tensor<2> {
@@ -454,6 +812,73 @@ pub(crate) fn qk_norm_rope(
         eps as f32,
     );
     Tensor::from_dispatch(y)
+}
+
+pub(crate) fn linear_add_rms_norm(
+    x: Tensor<2>,
+    a: Tensor<2>,
+    weight: &Tensor<2>,
+    w: &Tensor<1>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    let (s, y) = <Dispatch as FusedOps>::linear_add_rms_norm(
+        x.into_dispatch(),
+        a.into_dispatch(),
+        weight.clone().into_dispatch(),
+        w.clone().into_dispatch(),
+        eps as f32,
+    );
+    (Tensor::from_dispatch(s), Tensor::from_dispatch(y))
+}
+
+pub(crate) fn linear_fp8_add_rms_norm(
+    x: Tensor<2>,
+    a: Tensor<2>,
+    weight: &crate::Fp8Matrix,
+    w: &Tensor<1>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    let (s, y) = <Dispatch as FusedOps>::linear_fp8_add_rms_norm(
+        x.into_dispatch(),
+        a.into_dispatch(),
+        weight.words.clone().into_dispatch(),
+        weight.scales.clone().into_dispatch(),
+        weight.grid == crate::fp8::ScaleGrid::Blocks,
+        w.clone().into_dispatch(),
+        eps as f32,
+    );
+    (Tensor::from_dispatch(s), Tensor::from_dispatch(y))
+}
+
+/// See [`crate::qkv_norm_rope_store`]; the caller checked [`takes_qkv_store`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn qkv_norm_rope_store(
+    y: Tensor<2>,
+    heads: usize,
+    head_dim: usize,
+    q_w: &Tensor<1>,
+    k_w: &Tensor<1>,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+    eps: f64,
+    idx: &Tensor<1, burn::tensor::Int>,
+    k_pool: Tensor<3>,
+    v_pool: Tensor<3>,
+) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+    let (q, k, v) = <Dispatch as FusedOps>::qkv_norm_rope_store(
+        y.into_dispatch(),
+        q_w.clone().into_dispatch(),
+        k_w.clone().into_dispatch(),
+        cos.clone().into_dispatch(),
+        sin.clone().into_dispatch(),
+        idx.clone().into_dispatch(),
+        k_pool.into_dispatch(),
+        v_pool.into_dispatch(),
+        heads,
+        head_dim,
+        eps as f32,
+    );
+    (Tensor::from_dispatch(q), Tensor::from_dispatch(k), Tensor::from_dispatch(v))
 }
 
 pub(crate) fn swiglu(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width: usize) -> Tensor<2> {

@@ -255,28 +255,50 @@ pub(crate) fn supported(rows: usize, inp: usize, out: usize) -> bool {
     rows > 0 && inp > 0 && out > 0 && inp.is_multiple_of(32) && out.is_multiple_of(16)
 }
 
+/// What a product hands out: its rows, or the f32 partial sums of a split product whose
+/// combine the caller folds into its next kernel (see [`launch_product`]).
+pub(crate) enum Product {
+    /// `[rows, out]` bf16.
+    Rows(CubeTensor),
+    /// `[splits, rows, out]` f32, added in split order and rounded once to bf16 by the reader
+    /// (as [`combine_splits_kernel`] does).
+    Parts(CubeTensor, usize),
+}
+
 /// `x · wᵀ` on CubeCL tensors; `x` `[rows, in]`, `w` `[out, in]`, both bf16 and contiguous.
 ///
 /// # Panics
 /// If the shapes are not [`supported`] or the tensors are not contiguous bf16 (the caller checks).
 pub(crate) fn launch(x: CubeTensor, w: CubeTensor) -> CubeTensor {
+    match launch_product(x, w, false) {
+        Product::Rows(y) => y,
+        // Only a deferred product hands out its parts.
+        Product::Parts(..) => unreachable!("a product that was not deferred is combined"),
+    }
+}
+
+/// [`launch`], or with `defer` for a split plan and at most [`MAX_ROWS`] rows (one launch), the
+/// split sums uncombined: the caller's next kernel adds them ([`Product::Parts`]).
+pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Product {
     let x = burn_cubecl::kernel::into_contiguous(x);
     let w = burn_cubecl::kernel::into_contiguous(w);
     let [rows, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
     let out = w.meta.shape()[0];
     assert!(supported(rows, inp, out), "skinny_gemm: unsupported shape [{rows}, {inp}] x [{out}, {inp}]");
     let client = x.client.clone();
-    // Contiguous: the default allocation pads rows to an alignment (an LM head's 151936 bf16
-    // rows would get a longer pitch), and the kernel writes rows `out` apart.
-    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
-        client.clone(),
-        x.device.clone(),
-        [rows, out].into(),
-        x.dtype,
-    );
     let in_words = inp / 8;
     let plan = plan(Weights::Bf16, inp / 32, out);
     let parts = split_scratch(&x, plan.splits, rows.min(MAX_ROWS) * out);
+    let deferred = defer && parts.is_some() && rows <= MAX_ROWS;
+    // Contiguous: the default allocation pads rows to an alignment (an LM head's 151936 bf16
+    // rows would get a longer pitch), and the kernel writes rows `out` apart. A deferred
+    // product never writes it: a one-element stand-in.
+    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        if deferred { [1, 1].into() } else { [rows, out].into() },
+        x.dtype,
+    );
     let mut start = 0;
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
@@ -299,7 +321,7 @@ pub(crate) fn launch(x: CubeTensor, w: CubeTensor) -> CubeTensor {
                 CubeDim::new_2d(32, WARPS as u32),
                 BufferArg::from_raw_parts(x_handle, n * in_words),
                 BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
-                BufferArg::from_raw_parts(y_handle.clone(), n * out),
+                BufferArg::from_raw_parts(y_handle.clone(), if deferred { 1 } else { n * out }),
                 BufferArg::from_raw_parts(parts_handle, parts_len),
                 n as u32,
                 in_words as u32,
@@ -310,12 +332,17 @@ pub(crate) fn launch(x: CubeTensor, w: CubeTensor) -> CubeTensor {
                 plan.splits,
             );
         }
-        if let Some(p) = &parts {
+        if let Some(p) = &parts
+            && !deferred
+        {
             combine_splits(&client, p, y_handle, n * out, plan.splits);
         }
         start += n;
     }
-    y
+    match parts {
+        Some(p) if deferred => Product::Parts(p, plan.splits),
+        _ => Product::Rows(y),
+    }
 }
 
 /// The f32 scratch of a split product, `[splits, len]` (reused by each launch of the call), or

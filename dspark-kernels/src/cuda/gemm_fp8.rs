@@ -35,7 +35,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::gemm::{MAX_ROWS, WARPS, Weights, combine_splits, plan, split_scratch};
+use super::gemm::{MAX_ROWS, Product, WARPS, Weights, combine_splits, plan, split_scratch};
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
 /// 16 bytes as four 32-bit registers.
@@ -262,6 +262,22 @@ pub(crate) fn linear(x: Tensor<2>, w: &Fp8Matrix) -> Tensor<2> {
 /// `x · Wᵀ` on CubeCL tensors: `x` `[rows, in]` bf16, `words` `[out, in / 4]` 32-bit, `scales`
 /// f32.
 fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -> CubeTensor {
+    match launch_product(x, words, scales, blocked, false) {
+        Product::Rows(y) => y,
+        // Only a deferred product hands out its parts.
+        Product::Parts(..) => unreachable!("a product that was not deferred is combined"),
+    }
+}
+
+/// [`launch`], or with `defer` as [`super::gemm::launch_product`]: a split product of at most
+/// [`MAX_ROWS`] rows hands out its f32 split sums uncombined.
+pub(crate) fn launch_product(
+    x: CubeTensor,
+    words: CubeTensor,
+    scales: CubeTensor,
+    blocked: bool,
+    defer: bool,
+) -> Product {
     let x = burn_cubecl::kernel::into_contiguous(x);
     let words = burn_cubecl::kernel::into_contiguous(words);
     let scales = burn_cubecl::kernel::into_contiguous(scales);
@@ -273,16 +289,18 @@ fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -
     );
     let n_scales = scales.meta.shape()[0];
     let client = x.client.clone();
-    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
-        client.clone(),
-        x.device.clone(),
-        [rows, out].into(),
-        x.dtype,
-    );
     let x_words = inp / 8;
     let scale_cols = if blocked { inp.div_ceil(BLOCK) } else { 1 };
     let plan = plan(Weights::Fp8, inp / 64, out);
     let parts = split_scratch(&x, plan.splits, rows.min(MAX_ROWS) * out);
+    let deferred = defer && parts.is_some() && rows <= MAX_ROWS;
+    // A deferred product never writes `y`: a one-element stand-in.
+    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        if deferred { [1, 1].into() } else { [rows, out].into() },
+        x.dtype,
+    );
     let mut start = 0;
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
@@ -307,7 +325,7 @@ fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -
                 BufferArg::from_raw_parts(x_handle, n * x_words),
                 BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
                 BufferArg::from_raw_parts(scales.handle.clone(), n_scales),
-                BufferArg::from_raw_parts(y_handle.clone(), n * out),
+                BufferArg::from_raw_parts(y_handle.clone(), if deferred { 1 } else { n * out }),
                 BufferArg::from_raw_parts(parts_handle, parts_len),
                 n as u32,
                 x_words as u32,
@@ -321,12 +339,17 @@ fn launch(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -
                 plan.splits,
             );
         }
-        if let Some(p) = &parts {
+        if let Some(p) = &parts
+            && !deferred
+        {
             combine_splits(&client, p, y_handle, n * out, plan.splits);
         }
         start += n;
     }
-    y
+    match parts {
+        Some(p) if deferred => Product::Parts(p, plan.splits),
+        _ => Product::Rows(y),
+    }
 }
 
 /// `[rows, out]` for `x` `[rows, in]` and `words` `[out, in / 4]`.
