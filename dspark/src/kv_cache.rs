@@ -146,6 +146,13 @@ pub trait KvCache {
         None
     }
 
+    /// The K and V pools of `layer` to update in place (kernels that store rows themselves,
+    /// e.g. [`dspark_kernels::qkv_norm_rope_store`]); `None` when this cache keeps no such pool.
+    fn pools_mut(&mut self, layer: usize) -> Option<(&mut Tensor<3>, &mut Tensor<3>)> {
+        let _ = layer;
+        None
+    }
+
     /// K and V of the rows named by `index` for `layer`.
     ///
     /// # Shapes
@@ -425,6 +432,10 @@ impl KvCache for PagedKvCache {
 
     fn pools(&self, layer: usize) -> Option<(Tensor<3>, Tensor<3>)> {
         Some((self.k.get(layer)?.clone(), self.v.get(layer)?.clone()))
+    }
+
+    fn pools_mut(&mut self, layer: usize) -> Option<(&mut Tensor<3>, &mut Tensor<3>)> {
+        Some((self.k.get_mut(layer)?, self.v.get_mut(layer)?))
     }
 
     fn read(&self, layer: usize, index: &Tensor<1, Int>) -> (Tensor<3>, Tensor<3>) {

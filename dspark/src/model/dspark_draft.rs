@@ -9,7 +9,9 @@ use dspark_kernels::rms_norm_rows as rms_norm;
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
 use super::fp8::{DraftQuant, Fp8Counts, load_projection};
 use super::graphs::{Graphs, HostInputs, MAX_GRAPH_ROWS, MAX_SPAN_ROWS, Ran, ShapeKey};
-use super::layer::{AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj, Weight};
+use super::layer::{
+    AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj, Weight, next_norm, stack_input,
+};
 use super::markov::{ConfidenceHead, MarkovHead, argmax_f64, softmax_t};
 use super::markov_device::DeviceMarkov;
 use super::qwen3::{LoadOptions, Qwen3};
@@ -632,23 +634,28 @@ impl DSparkDraft {
         // 1. embed with the target's table [lanes·γ, hidden]; rotary tables at block positions.
         let n = ids.len();
         let ids = Tensor::<1, Int>::from_data(TensorData::new(ids, [n]), &self.device);
-        let mut x = self.embed_tokens.clone().select(0, ids);
+        let x = self.embed_tokens.clone().select(0, ids);
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
-        // 2. draft layers: through the paged kernel where it runs, else lane by lane.
-        match self.block_plan(lanes, &contexts)? {
+        let eps = self.config.base.rms_norm_eps;
+        // 2. draft layers (the last one ends with the final norm): through the paged kernel
+        //    where it runs, else lane by lane.
+        let hidden = match self.block_plan(lanes, &contexts)? {
             Some(plan) => {
-                let mut run = || -> Result<Tensor<2>> {
-                    for (l, layer) in self.layers.iter().enumerate() {
-                        x = layer.forward_block_paged(l, x.clone(), &cos, &sin, &plan, &mut self.cache)?;
+                let (layers, norm) = (&self.layers, &self.norm);
+                let run = || -> Result<Tensor<2>> {
+                    let mut xh = stack_input(layers, norm, x, eps);
+                    for (l, layer) in layers.iter().enumerate() {
+                        let next = next_norm(layers, l, norm);
+                        xh = layer.forward_block_paged(l, xh, &cos, &sin, &plan, next, &mut self.cache)?;
                     }
-                    Ok(x.clone())
+                    Ok(xh.1)
                 };
                 let out = run();
                 // The block's K/V rows were scratch: give them back whatever happened.
                 for (&(seq, _), &context) in lanes.iter().zip(&contexts) {
                     self.cache.truncate(seq, context)?;
                 }
-                x = out?;
+                out?
             }
             None => {
                 let mut block = Vec::with_capacity(lanes.len());
@@ -656,13 +663,23 @@ impl DSparkDraft {
                     let index = self.cache.gather_index(seq, context)?;
                     block.push(BlockLane { rows: i * gamma..(i + 1) * gamma, index, context });
                 }
-                for (l, layer) in self.layers.iter().enumerate() {
-                    x = layer.forward_block(l, x, &cos, &sin, &block, &self.cache);
+                let (layers, norm) = (&self.layers, &self.norm);
+                let mut xh = stack_input(layers, norm, x, eps);
+                for (l, layer) in layers.iter().enumerate() {
+                    xh = layer.forward_block(
+                        l,
+                        xh,
+                        &cos,
+                        &sin,
+                        &block,
+                        next_norm(layers, l, norm),
+                        &self.cache,
+                    );
                 }
+                xh.1
             }
-        }
-        // 3. final norm, target LM head.
-        let hidden = rms_norm(x, &self.norm, self.config.base.rms_norm_eps);
+        };
+        // 3. target LM head.
         let logits = self.lm_head.apply(hidden.clone());
         let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
         Ok((to32(hidden), to32(logits)))
@@ -831,11 +848,12 @@ impl DSparkDraft {
             let at = inputs.ints(n, n);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
             let plan = inputs.plan(n, 2 * n);
-            let mut x = embed.clone().select(0, inputs.ints(0, n));
+            let mut xh = stack_input(layers, norm, embed.clone().select(0, inputs.ints(0, n)), eps);
             for (l, layer) in layers.iter().enumerate() {
-                x = layer.forward_block_paged(l, x, &cos, &sin, &plan, cache)?;
+                xh =
+                    layer.forward_block_paged(l, xh, &cos, &sin, &plan, next_norm(layers, l, norm), cache)?;
             }
-            let hidden = rms_norm(x, norm, eps);
+            let hidden = xh.1;
             let to32 = |t: Tensor<2>| if t.dtype() == DType::F32 { t } else { t.cast(DType::F32) };
             // Base logits stay in the draft's dtype: each Markov step widens its own rows (the
             // same f32 values), so the graph holds no f32 copy of every row (34 MB at 8 lanes).

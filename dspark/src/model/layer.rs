@@ -364,6 +364,25 @@ impl Proj {
         }
     }
 
+    /// The residual add of this projection and the RMSNorm after it: `(s, RMSNorm(s)·norm)` with
+    /// `s = x + a·Wᵀ` (one kernel for a split product's combine, the add and the norm, where
+    /// [`dspark_kernels::linear_add_rms_norm`] runs it).
+    pub(crate) fn apply_add_norm(
+        &self,
+        x: Tensor<2>,
+        a: Tensor<2>,
+        norm: &Tensor<1>,
+        eps: f64,
+    ) -> (Tensor<2>, Tensor<2>) {
+        match &self.0 {
+            ProjKind::Fp8(m) => dspark_kernels::linear_fp8_add_rms_norm(x, a, m, norm, eps),
+            ProjKind::Burn { weight, transposed: false } => {
+                dspark_kernels::linear_add_rms_norm(x, a, weight, norm, eps)
+            }
+            _ => add_rms_norm(x, self.apply(a), norm, eps),
+        }
+    }
+
     /// `x · W[start..start + len]ᵀ`: the product with a range of the weight's output rows.
     pub(crate) fn apply_rows(&self, x: Tensor<2>, start: usize, len: usize) -> Tensor<2> {
         match &self.0 {
@@ -557,33 +576,47 @@ impl DecoderLayer {
         .map(move |n| format!("{prefix}{n}"))
     }
 
+    /// The weight of this layer's input RMSNorm (the norm the previous layer's last kernel
+    /// applies, see [`DecoderLayer::forward`]).
+    pub(crate) fn input_norm(&self) -> &Tensor<1> {
+        &self.input_layernorm
+    }
+
     /// One layer over the new rows of every sequence: causal attention over each sequence's
     /// cached context plus its new rows; the new rows' K/V are written to the cache first.
     ///
+    /// The layer takes its input twice, as the residual stream `x` and already normed by its
+    /// input norm (`h`), and hands out its output the same way, normed by `next_norm` (the next
+    /// layer's input norm, or the model's final norm): the last residual add and that norm are
+    /// then one kernel with the down projection's combine (see [`Proj::apply_add_norm`]).
+    ///
     /// # Shapes
-    /// `x`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → `[rows, hidden]`.
+    /// `x`, `h`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → (`[rows, hidden]`,
+    /// `[rows, hidden]`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         layer: usize,
-        x: Tensor<2>,
+        (x, h): (Tensor<2>, Tensor<2>),
         (cos, sin): (&Tensor<2>, &Tensor<2>),
         seqs: &[SeqRows],
         plan: Option<&AttnPlan>,
+        next_norm: &Tensor<1>,
         cache: &mut dyn KvCache,
-    ) -> Result<Tensor<2>> {
-        // 1-2. pre-norm, projections, per-head norms, RoPE.
-        let (q, k, v) = self.qkv(x.clone(), cos, sin);
-        // 3a. one kernel over every sequence's page table, after storing the new K/V.
-        // (The pools are looked up after the write: a live clone would make the in-place row
-        // assignment copy the whole pool.)
+    ) -> Result<(Tensor<2>, Tensor<2>)> {
+        // 1-3a. one kernel over every sequence's page table, after storing the new K/V.
         if let Some(plan) = plan {
-            cache.write_rows(layer, &plan.new_rows, k, v)?;
+            let q = self.qkv_store(layer, h, (cos, sin), &plan.new_rows, cache)?;
+            // (The pools are looked up after the write: a live clone would make the in-place row
+            // assignment copy the whole pool.)
             let (k_pool, v_pool) = cache
                 .pools(layer)
                 .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
             let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
-            return Ok(self.finish(x, attn));
+            return Ok(self.finish(x, attn, next_norm));
         }
+        // 1-2. projections, per-head norms, RoPE.
+        let (q, k, v) = self.qkv(h, cos, sin);
         // 3b. per sequence: store new K/V, attend over the whole context.
         let mut outs = Vec::with_capacity(seqs.len());
         for s in seqs {
@@ -603,17 +636,16 @@ impl DecoderLayer {
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 4-5. output projection, MLP, residuals.
-        Ok(self.finish(x, attn))
+        Ok(self.finish(x, attn, next_norm))
     }
 
-    /// Pre-norm, q/k/v projections, per-head RMSNorm and RoPE.
+    /// q/k/v projections of the normed input `h`, per-head RMSNorm and RoPE.
     ///
     /// # Shapes
-    /// `x`: `[rows, hidden]` → q `[rows, heads, hd]`, k/v `[rows, kv_heads, hd]`.
-    fn qkv(&self, x: Tensor<2>, cos: &Tensor<2>, sin: &Tensor<2>) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+    /// `h`: `[rows, hidden]` → q `[rows, heads, hd]`, k/v `[rows, kv_heads, hd]`.
+    fn qkv(&self, h: Tensor<2>, cos: &Tensor<2>, sin: &Tensor<2>) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
         let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
-        let rows = x.dims()[0];
-        let h = rms_norm_rows(x, &self.input_layernorm, eps);
+        let rows = h.dims()[0];
         // Where q, k and v sit: columns of one fused output, or three outputs.
         let (q_src, k_src, v_src, k_off, v_off) = match &self.attn_in {
             AttnIn::Fused(w) => {
@@ -628,15 +660,44 @@ impl DecoderLayer {
         (q, k, v)
     }
 
-    /// Output projection and residual, then the MLP and its residual.
+    /// [`DecoderLayer::qkv`] with the new K/V stored at the pool rows `rows` of `layer`; returns
+    /// q. With one fused q/k/v weight and a pooled cache, the norms, RoPE and both stores are one
+    /// kernel ([`dspark_kernels::qkv_norm_rope_store`]); the values are the same.
+    fn qkv_store(
+        &self,
+        layer: usize,
+        h: Tensor<2>,
+        (cos, sin): (&Tensor<2>, &Tensor<2>),
+        rows: &Tensor<1, Int>,
+        cache: &mut dyn KvCache,
+    ) -> Result<Tensor<3>> {
+        let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
+        let n = h.dims()[0];
+        if let AttnIn::Fused(w) = &self.attn_in
+            && rows.dims()[0] == n
+            && let Some((k_pool, v_pool)) = cache.pools_mut(layer)
+        {
+            let y = w.apply(h);
+            let shape = (heads, kv_heads, head_dim);
+            let (norms, rope) = ((&self.q_norm, &self.k_norm), (cos, sin));
+            return Ok(dspark_kernels::qkv_norm_rope_store(
+                y, shape, norms.0, norms.1, rope, eps, rows, k_pool, v_pool,
+            ));
+        }
+        let (q, k, v) = self.qkv(h, cos, sin);
+        cache.write_rows(layer, rows, k, v)?;
+        Ok(q)
+    }
+
+    /// Output projection and residual, then the MLP and its residual, normed by `next_norm`.
     ///
     /// # Shapes
-    /// `x`: `[rows, hidden]`, `attn`: `[rows, heads, hd]` → `[rows, hidden]`.
-    fn finish(&self, x: Tensor<2>, attn: Tensor<3>) -> Tensor<2> {
+    /// `x`: `[rows, hidden]`, `attn`: `[rows, heads, hd]` → (`[rows, hidden]`, `[rows, hidden]`).
+    fn finish(&self, x: Tensor<2>, attn: Tensor<3>, next_norm: &Tensor<1>) -> (Tensor<2>, Tensor<2>) {
         let LayerShape { heads, head_dim, intermediate, eps, .. } = self.shape;
         let rows = x.dims()[0];
-        let delta = self.o_proj.apply(attn.reshape([rows, heads * head_dim]));
-        let (x, h) = add_rms_norm(x, delta, &self.post_attention_layernorm, eps);
+        let attn = attn.reshape([rows, heads * head_dim]);
+        let (x, h) = self.o_proj.apply_add_norm(x, attn, &self.post_attention_layernorm, eps);
         let act = match &self.mlp_in {
             MlpIn::Fused(w) => {
                 let y = w.apply(h);
@@ -644,8 +705,27 @@ impl DecoderLayer {
             }
             MlpIn::Split { gate, up } => swiglu_cols(gate.apply(h.clone()), up.apply(h), 0, 0, intermediate),
         };
-        x + self.down_proj.apply(act)
+        self.down_proj.apply_add_norm(x, act, next_norm, eps)
     }
+}
+
+/// The input of the first of `layers` for the residual stream `x`: `(x, RMSNorm(x))` with the
+/// first layer's input norm (with no layers, `last`).
+pub(crate) fn stack_input(
+    layers: &[DecoderLayer],
+    last: &Tensor<1>,
+    x: Tensor<2>,
+    eps: f64,
+) -> (Tensor<2>, Tensor<2>) {
+    let norm = layers.first().map_or(last, DecoderLayer::input_norm);
+    let h = rms_norm_rows(x.clone(), norm, eps);
+    (x, h)
+}
+
+/// The norm layer `l` of `layers` applies to its output: the next layer's input norm, or after
+/// the last layer `last` (the model's final norm).
+pub(crate) fn next_norm<'a>(layers: &'a [DecoderLayer], l: usize, last: &'a Tensor<1>) -> &'a Tensor<1> {
+    layers.get(l + 1).map_or(last, DecoderLayer::input_norm)
 }
 
 /// One lane of a draft block forward.
@@ -703,21 +783,25 @@ impl DecoderLayer {
 
     /// One draft layer over the block rows of every lane: each block row attends, without a
     /// mask, to the lane's cached context keys and to all block keys of the lane. Block K/V are
-    /// not stored.
+    /// not stored. Input and output as [`DecoderLayer::forward`]: the residual stream and its
+    /// normed copy.
     ///
     /// # Shapes
-    /// `x`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → `[rows, hidden]`.
+    /// `x`, `h`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → (`[rows, hidden]`,
+    /// `[rows, hidden]`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_block(
         &self,
         layer: usize,
-        x: Tensor<2>,
+        (x, h): (Tensor<2>, Tensor<2>),
         cos: &Tensor<2>,
         sin: &Tensor<2>,
         lanes: &[BlockLane],
+        next_norm: &Tensor<1>,
         cache: &dyn KvCache,
-    ) -> Tensor<2> {
-        // 1. pre-norm, projections, per-head norms, RoPE at the block positions.
-        let (q, k, v) = self.qkv(x.clone(), cos, sin);
+    ) -> (Tensor<2>, Tensor<2>) {
+        // 1. projections, per-head norms, RoPE at the block positions.
+        let (q, k, v) = self.qkv(h, cos, sin);
         // 2. per lane: keys = [context; block], bidirectional.
         let mut outs = Vec::with_capacity(lanes.len());
         for lane in lanes {
@@ -735,7 +819,7 @@ impl DecoderLayer {
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 3. output projection, MLP, residuals.
-        self.finish(x, attn)
+        self.finish(x, attn, next_norm)
     }
 
     /// [`DecoderLayer::forward_block`] through the paged kernel: the block's K/V go to the
@@ -743,23 +827,25 @@ impl DecoderLayer {
     /// block row attends to the keys `plan` lists for it (context and whole block).
     ///
     /// # Shapes
-    /// `x`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → `[rows, hidden]`.
+    /// `x`, `h`: `[rows, hidden]`, `cos`/`sin`: `[rows, head_dim]` → (`[rows, hidden]`,
+    /// `[rows, hidden]`).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward_block_paged(
         &self,
         layer: usize,
-        x: Tensor<2>,
+        (x, h): (Tensor<2>, Tensor<2>),
         cos: &Tensor<2>,
         sin: &Tensor<2>,
         plan: &AttnPlan,
+        next_norm: &Tensor<1>,
         cache: &mut dyn KvCache,
-    ) -> Result<Tensor<2>> {
-        let (q, k, v) = self.qkv(x.clone(), cos, sin);
-        cache.write_rows(layer, &plan.new_rows, k, v)?;
+    ) -> Result<(Tensor<2>, Tensor<2>)> {
+        let q = self.qkv_store(layer, h, (cos, sin), &plan.new_rows, cache)?;
         let (k_pool, v_pool) = cache
             .pools(layer)
             .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
         let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
-        Ok(self.finish(x, attn))
+        Ok(self.finish(x, attn, next_norm))
     }
 }
 

@@ -4,10 +4,9 @@ use std::ops::Range;
 use std::path::Path;
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::graphs::{Graphs, HostInputs, Ran, ShapeKey};
-use super::layer::{AttnPlan, DecoderLayer, LayerShape, Proj, SeqRows};
+use super::layer::{AttnPlan, DecoderLayer, LayerShape, Proj, SeqRows, next_norm, stack_input};
 use super::rope::Rope;
 use crate::config::Qwen3Config;
 use crate::device::{ComputeDtype, DeviceKind};
@@ -403,12 +402,14 @@ impl Qwen3 {
         widen: bool,
         cache: &mut dyn KvCache,
     ) -> Result<(Option<Tensor<2>>, Option<Tensor<2>>)> {
-        let mut x = self.embed_tokens.clone().select(0, ids);
+        let (layers, norm, eps) = (&self.layers, &self.norm, self.config.rms_norm_eps);
+        // The residual stream and its normed copy; after the last layer, normed by the final norm.
+        let mut xh = stack_input(layers, norm, self.embed_tokens.clone().select(0, ids), eps);
         let mut captured: Vec<Option<Tensor<2>>> = vec![None; capture.len()];
-        for (l, layer) in self.layers.iter().enumerate() {
-            x = layer.forward(l, x, rope, seqs, plan, cache)?;
+        for (l, layer) in layers.iter().enumerate() {
+            xh = layer.forward(l, xh, rope, seqs, plan, next_norm(layers, l, norm), cache)?;
             for (slot, _) in capture.iter().enumerate().filter(|(_, id)| **id == l) {
-                captured[slot] = Some(x.clone());
+                captured[slot] = Some(xh.0.clone());
             }
         }
         let features = if capture.is_empty() {
@@ -417,11 +418,11 @@ impl Qwen3 {
             Some(Tensor::cat(captured.into_iter().flatten().collect(), 1))
         };
         let logits = (picks > 0).then(|| {
-            let rows = match pick {
-                Some(pick) => x.select(0, pick),
-                None => x,
+            // (A row's norm does not depend on the other rows: normed, then picked.)
+            let h = match pick {
+                Some(pick) => xh.1.select(0, pick),
+                None => xh.1,
             };
-            let h = rms_norm(rows, &self.norm, self.config.rms_norm_eps);
             let logits = self.head.apply(h);
             if self.dtype == ComputeDtype::F32 || !widen {
                 logits
