@@ -11,7 +11,7 @@
 #          recorded graph's whole device time (`--graph-profiling graph`: kernels plus the gaps
 #          between them). Caches are not flushed between kernels (`--cache-control none`), as
 #          in a replay.
-# Raw files are packed into $OUT/profile-raw.tgz (a device call returns at most 8 files).
+# Raw files are packed into $OUT/profile-raw-PHASES.tgz (a device call returns at most 8 files).
 # Expects in out/carry (xz): gpu_kernels and gpu_golden (target/release/deps/*) for `tests`,
 # bench-draft and bench-target for `times` and `ncu`.
 #   memory the team workload's peak device memory, speculative (FP8 draft) vs target-only
@@ -94,4 +94,5 @@ memory)
     grep -E "memory after|MiB" "$RAW/workload-memory.log" | tail -20
     ;;
 esac; done
-tar czf "$OUT/profile-raw.tgz" -C "$OUT" raw && rm -rf "$RAW"
+# One archive per invocation (phases in the name): a second invocation in the same call keeps the first one's logs.
+tar czf "$OUT/profile-raw-$(echo "$@" | tr " " "-").tgz" -C "$OUT" raw && rm -rf "$RAW"
