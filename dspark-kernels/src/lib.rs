@@ -65,6 +65,38 @@ pub fn linear(x: Tensor<2>, weight: &Tensor<2>) -> Tensor<2> {
     reference::linear(x, weight)
 }
 
+/// Rows of the gate and up projections paired for [`linear_swiglu`]: 16-row block `b` holds
+/// gate rows `8b .. 8b + 8`, then up rows `8b .. 8b + 8`.
+///
+/// # Shapes
+/// `gate`, `up`: `[inter, in]` with `inter` a multiple of 8 → `[2·inter, in]`.
+pub fn pair_gate_up(gate: Tensor<2>, up: Tensor<2>) -> Tensor<2> {
+    let [inter, inp] = gate.dims();
+    let blocks = inter / 8;
+    let gate = gate.reshape([blocks, 8, inp]);
+    let up = up.reshape([blocks, 8, inp]);
+    Tensor::cat(vec![gate, up], 1).reshape([2 * inter, inp])
+}
+
+/// `silu(x·Gᵀ)·(x·Uᵀ)` for gate and up weights paired by [`pair_gate_up`], as [`linear`] then
+/// [`swiglu_cols`] compute it (the same bits). On CUDA, where the skinny GEMM does not cut the
+/// reduction (a Qwen3-8B gate/up pair), the SwiGLU is the product's epilogue: one launch.
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `paired`: `[2·inter, in]` → `[rows, inter]`.
+pub fn linear_swiglu(x: Tensor<2>, paired: &Tensor<2>) -> Tensor<2> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && paired.dims()[0].is_multiple_of(16) && cuda::gemm::takes_swiglu(&x, paired) {
+        return cuda::gemm::linear_swiglu(x, paired);
+    }
+    let rows = x.dims()[0];
+    let inter = paired.dims()[0] / 2;
+    let y = linear(x, paired).reshape([rows, inter / 8, 2, 8]);
+    let gate = y.clone().narrow(2, 0, 1).reshape([rows, inter]);
+    let up = y.narrow(2, 1, 1).reshape([rows, inter]);
+    swiglu_cols(gate, up, 0, 0, inter)
+}
+
 /// RMSNorm of each row (`[rows, d]`), as [`reference::rms_norm`] computes it. On CUDA in bf16 it
 /// is one kernel (a cube per row, f32 sums in an order fixed by `d`).
 pub fn rms_norm_rows(x: Tensor<2>, weight: &Tensor<1>, eps: f64) -> Tensor<2> {

@@ -295,6 +295,33 @@ mod tests {
     }
 
     #[test]
+    fn paired_gate_up_product_is_the_swiglu_of_the_two_products() {
+        let device = Device::flex();
+        let (rows, inp, inter) = (3usize, 32usize, 24usize);
+        let normal = |dims: [usize; 2]| Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+        let (x, gate, up) = (normal([rows, inp]), normal([inter, inp]), normal([inter, inp]));
+        let paired = crate::pair_gate_up(gate.clone(), up.clone());
+        // Block b of the pairing: gate rows 8b.., then up rows 8b...
+        let p = paired.clone().into_data().try_to_vec::<f32>().expect("f32");
+        let (g, u) = (
+            gate.clone().into_data().try_to_vec::<f32>().expect("f32"),
+            up.clone().into_data().try_to_vec::<f32>().expect("f32"),
+        );
+        assert_eq!(&p[..8 * inp], &g[..8 * inp]);
+        assert_eq!(&p[8 * inp..16 * inp], &u[..8 * inp]);
+        assert_eq!(&p[16 * inp..24 * inp], &g[8 * inp..16 * inp]);
+        let got = crate::linear_swiglu(x.clone(), &paired).into_data().try_to_vec::<f32>().expect("f32");
+        let want = swiglu_cols(linear(x.clone(), &gate), linear(x, &up), 0, 0, inter)
+            .into_data()
+            .try_to_vec::<f32>()
+            .expect("f32");
+        assert_eq!(got.len(), rows * inter);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+    }
+
+    #[test]
     fn argmax_rows_takes_the_lowest_index_of_the_max_and_skips_nan() {
         let device = Device::flex();
         let inf = f32::INFINITY;

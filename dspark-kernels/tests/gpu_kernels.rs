@@ -1023,3 +1023,56 @@ fn qkv_norm_rope_store_matches_reference() {
         }
     }
 }
+
+/// The gate/up product with the SwiGLU as its epilogue: the same bits as the paired product
+/// followed by the SwiGLU kernel, the same bits as two separate products where their plan is the
+/// same, and (on the first and last rows) as close to float64 as the plain-burn body.
+#[test]
+fn linear_swiglu_matches_reference() {
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    // (in, inter): Qwen3-8B's MLP, and a smaller one.
+    for &(inp, inter) in &[(4096usize, 12288usize), (1024, 4608)] {
+        let (gate, up) = (random(inter, inp, 0.02, &device), random(inter, inp, 0.02, &device));
+        let paired = dspark_kernels::pair_gate_up(gate.clone(), up.clone());
+        let (gh, uh) = (host(gate.clone()), host(up.clone()));
+        for &rows in &[1usize, 8, 17, 64, 100] {
+            let x = random(rows, inp, 1.0, &device);
+            poison(rows * inter, &device);
+            let got = host(dspark_kernels::linear_swiglu(x.clone(), &paired));
+            // The paired product, then the SwiGLU kernel.
+            let y = dspark_kernels::linear(x.clone(), &paired).reshape([rows, inter / 8, 2, 8]);
+            let g = y.clone().narrow(2, 0, 1).reshape([rows, inter]);
+            let u = y.narrow(2, 1, 1).reshape([rows, inter]);
+            let what = format!("linear_swiglu {inp}->{inter} rows {rows}");
+            assert_eq!(
+                got,
+                host(dspark_kernels::swiglu_cols(g, u, 0, 0, inter)),
+                "{what}: vs product + swiglu"
+            );
+            // Two separate products (the same plan at these widths), then the SwiGLU kernel.
+            let split = dspark_kernels::swiglu_cols(
+                dspark_kernels::linear(x.clone(), &gate),
+                dspark_kernels::linear(x.clone(), &up),
+                0,
+                0,
+                inter,
+            );
+            assert_eq!(got, host(split), "{what}: vs separate products");
+            let body = host(dspark_kernels::reference::swiglu_cols(
+                dspark_kernels::reference::linear(x.clone(), &gate),
+                dspark_kernels::reference::linear(x.clone(), &up),
+                0,
+                0,
+                inter,
+            ));
+            let xh = host(x);
+            let ends =
+                |v: &[f32], width: usize| -> Vec<f32> { [&v[..width], &v[(rows - 1) * width..]].concat() };
+            let xe = ends(&xh, inp);
+            let (gs, us) = (reference_f64(&xe, &gh, 2, inp, inter), reference_f64(&xe, &uh, 2, inp, inter));
+            let want: Vec<f64> = gs.iter().zip(&us).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+            check_close(&what, &ends(&got, inter), &ends(&body, inter), &want);
+        }
+    }
+}

@@ -61,6 +61,7 @@ fn skinny_gemm_kernel(
     #[comptime] warps: usize,
     #[comptime] unroll: usize,
     #[comptime] splits: usize,
+    #[comptime] swiglu: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -166,24 +167,59 @@ fn skinny_gemm_kernel(
     let threads = warps * 32;
     let id = warp * 32 + lane;
     let total = tiles * tile_len;
-    let passes = total.div_ceil(threads);
-    #[unroll]
-    for p in 0..passes {
-        let e = p * threads + id;
-        if e < total {
-            let mut sum = 0.0f32;
-            #[unroll]
-            for v in 0..warps {
-                sum += partial[v * total + e];
+    if comptime![swiglu] {
+        // 4'. A paired gate/up weight (see `launch_swiglu`): weight rows 0..8 of this cube are
+        //     gate rows 8·block.., rows 8..16 the matching up rows. Each thread sums one gate and
+        //     its up in warp order, rounds both to bf16 (the product's own output) and writes
+        //     `silu(g)·u` with the roundings of the SwiGLU kernel to column 8·block + wr of a
+        //     `[rows, out / 2]` output.
+        let half = out / 2;
+        let pairs = tiles * 64;
+        #[unroll]
+        for p in 0..pairs.div_ceil(threads) {
+            let e = p * threads + id;
+            if e < pairs {
+                let j = e / 64;
+                let xr = (e % 64) / 8;
+                let wr = e % 8;
+                let at = j * tile_len + xr * 16 + wr;
+                let mut gs = 0.0f32;
+                let mut us = 0.0f32;
+                #[unroll]
+                for v in 0..warps {
+                    gs += partial[v * total + at];
+                    us += partial[v * total + at + 8];
+                }
+                let row = j * 8 + xr;
+                if row < rows {
+                    let gv = f32::cast_from(bf16::cast_from(gs));
+                    let uv = f32::cast_from(bf16::cast_from(us));
+                    let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
+                    let sg = f32::cast_from(bf16::cast_from(gv * sig));
+                    y[row * half + block * 8 + wr] = bf16::cast_from(sg * uv);
+                }
             }
-            let j = e / tile_len;
-            let within = e % tile_len;
-            let row = j * 8 + within / 16;
-            if row < rows {
-                if comptime![splits > 1] {
-                    parts[(split * rows + row) * out + block * 16 + within % 16] = sum;
-                } else {
-                    y[row * out + block * 16 + within % 16] = bf16::cast_from(sum);
+        }
+    } else {
+        let passes = total.div_ceil(threads);
+        #[unroll]
+        for p in 0..passes {
+            let e = p * threads + id;
+            if e < total {
+                let mut sum = 0.0f32;
+                #[unroll]
+                for v in 0..warps {
+                    sum += partial[v * total + e];
+                }
+                let j = e / tile_len;
+                let within = e % tile_len;
+                let row = j * 8 + within / 16;
+                if row < rows {
+                    if comptime![splits > 1] {
+                        parts[(split * rows + row) * out + block * 16 + within % 16] = sum;
+                    } else {
+                        y[row * out + block * 16 + within % 16] = bf16::cast_from(sum);
+                    }
                 }
             }
         }
@@ -330,6 +366,7 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
                 WARPS,
                 plan.unroll(tiles),
                 plan.splits,
+                false,
             );
         }
         if let Some(p) = &parts
@@ -343,6 +380,67 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
         Some(p) if deferred => Product::Parts(p, plan.splits),
         _ => Product::Rows(y),
     }
+}
+
+/// Whether [`launch_swiglu`] takes this problem: [`takes`], a paired weight of an even number
+/// of 16-row blocks, and a plan that does not cut the reduction (the epilogue sums whole rows).
+pub(crate) fn takes_swiglu(x: &Tensor<2>, w: &Tensor<2>) -> bool {
+    let [out, inp] = w.dims();
+    takes(x, w) && plan(Weights::Bf16, inp / 32, out).splits == 1
+}
+
+/// `silu(g)·u` of a paired gate/up weight in one pass: `x` `[rows, in]`, `w` `[out, in]` whose
+/// 16-row block `b` holds gate rows `8b..8b+8` then up rows `8b..8b+8` → `[rows, out / 2]`.
+/// The values are those of the product (rounded to bf16) followed by the SwiGLU kernel.
+pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
+    let x = burn_cubecl::kernel::into_contiguous(x);
+    let w = burn_cubecl::kernel::into_contiguous(w);
+    let [rows, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let out = w.meta.shape()[0];
+    let plan = plan(Weights::Bf16, inp / 32, out);
+    assert!(
+        supported(rows, inp, out) && plan.splits == 1,
+        "skinny_gemm_swiglu: unsupported shape [{rows}, {inp}] x [{out}, {inp}]"
+    );
+    let client = x.client.clone();
+    let half = out / 2;
+    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        [rows, half].into(),
+        x.dtype,
+    );
+    let in_words = inp / 8;
+    let mut start = 0;
+    while start < rows {
+        let n = (rows - start).min(MAX_ROWS);
+        let tiles = n.div_ceil(8);
+        let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
+        let y_handle = y.handle.clone().offset_start((start * half * 2) as u64);
+        // SAFETY: as in `launch_product` (no splits: `parts` is never touched, y's buffer stands
+        // in); the epilogue writes y rows `< n` of `half` columns, column `8·block + wr < half`.
+        unsafe {
+            skinny_gemm_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static((out / 16) as u32, 1, 1),
+                CubeDim::new_2d(32, WARPS as u32),
+                BufferArg::from_raw_parts(x_handle, n * in_words),
+                BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
+                BufferArg::from_raw_parts(y_handle.clone(), n * half),
+                BufferArg::from_raw_parts(y_handle, n * half / 2),
+                n as u32,
+                in_words as u32,
+                out as u32,
+                tiles,
+                WARPS,
+                plan.unroll(tiles),
+                1,
+                true,
+            );
+        }
+        start += n;
+    }
+    y
 }
 
 /// The f32 scratch of a split product, `[splits, len]` (reused by each launch of the call), or
@@ -372,10 +470,33 @@ pub trait SkinnyGemmOps: burn::backend::Backend {
         x: burn::backend::tensor::FloatTensor<Self>,
         w: burn::backend::tensor::FloatTensor<Self>,
     ) -> burn::backend::tensor::FloatTensor<Self>;
+
+    /// `silu(g)·u` of a paired gate/up weight; `x` `[rows, in]`, `w` `[out, in]` →
+    /// `[rows, out / 2]`.
+    #[fusion(dtype = x, shape = swiglu_shape(x, w))]
+    fn skinny_gemm_swiglu(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        w: burn::backend::tensor::FloatTensor<Self>,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
 }
 
 impl SkinnyGemmOps for CubeBackend {
     fn skinny_gemm(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         launch(x, w)
     }
+
+    fn skinny_gemm_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
+        launch_swiglu(x, w)
+    }
+}
+
+/// `[rows, out / 2]` for `x` `[rows, in]` and a paired `w` `[out, in]`.
+fn swiglu_shape(x: &burn::tensor::Shape, w: &burn::tensor::Shape) -> burn::tensor::Shape {
+    [x[0], w[0] / 2].into()
+}
+
+/// See [`crate::linear_swiglu`]; the caller checked [`takes_swiglu`].
+pub(crate) fn linear_swiglu(x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
+    let y = <Dispatch as SkinnyGemmOps>::skinny_gemm_swiglu(x.into_dispatch(), w.clone().into_dispatch());
+    Tensor::from_dispatch(y)
 }

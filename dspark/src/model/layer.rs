@@ -55,12 +55,16 @@ enum AttnIn {
     Fused(Proj),
 }
 
-/// The gate/up projections: two weights, or one `[gate; up]` weight (see [`AttnIn`]).
+/// The gate/up projections: two weights, one `[gate; up]` weight (FP8, see [`AttnIn`]), or
+/// (dense bf16 where the kernels run) one weight with their rows paired by
+/// [`dspark_kernels::pair_gate_up`], whose product ends in the SwiGLU
+/// ([`dspark_kernels::linear_swiglu`]).
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 enum MlpIn {
     Split { gate: Proj, up: Proj },
     Fused(Proj),
+    Paired(Tensor<2>),
 }
 
 /// Whether projections that read the same input are stored as one weight: where the GPU
@@ -134,6 +138,17 @@ impl MlpIn {
     }
 
     fn from_weights(gate: Weight, up: Weight) -> Self {
+        if let (Weight::Dense(g), Weight::Dense(u)) = (&gate, &up)
+            && fuse_projections(g)
+            && g.dims() == u.dims()
+            && g.dims()[0].is_multiple_of(8)
+        {
+            let device = g.device();
+            let parts = (g.clone(), u.clone());
+            return Self::Paired(crate::device::persistent(&device, parts, |(g, u)| {
+                dspark_kernels::pair_gate_up(g, u)
+            }));
+        }
         let parts = [gate, up];
         if let Some(w) = fused(&parts) {
             return Self::Fused(w);
@@ -146,6 +161,7 @@ impl MlpIn {
         match self {
             Self::Split { gate, up } => gate.bytes() + up.bytes(),
             Self::Fused(w) => w.bytes(),
+            Self::Paired(w) => w.shape().num_elements() * w.dtype().size(),
         }
     }
 
@@ -153,6 +169,20 @@ impl MlpIn {
         Ok(match self {
             Self::Split { gate, up } => Self::Split { gate: gate.quantized()?, up: up.quantized()? },
             Self::Fused(w) => Self::Fused(w.quantized()?),
+            // Back to separate gate and up rows, quantised each, then stacked as FP8 weights are.
+            Self::Paired(w) => {
+                let [rows, inp] = w.dims();
+                let inter = rows / 2;
+                let pairs = w.clone().reshape([inter / 8, 2, 8, inp]);
+                let half = |i: usize| pairs.clone().narrow(1, i, 1).reshape([inter, inp]);
+                let (gate, up) = (Proj::new(half(0)).quantized()?, Proj::new(half(1)).quantized()?);
+                match (gate.0, up.0) {
+                    (ProjKind::Fp8(g), ProjKind::Fp8(u)) => {
+                        Self::from_weights(Weight::Fp8(g), Weight::Fp8(u))
+                    }
+                    (g, u) => Self::Split { gate: Proj(g), up: Proj(u) },
+                }
+            }
         })
     }
 }
@@ -553,6 +583,7 @@ impl DecoderLayer {
         let mlp = match &self.mlp_in {
             MlpIn::Split { gate, up } => [gate, up].iter().filter(|p| p.is_fp8()).count(),
             MlpIn::Fused(w) => 2 * usize::from(w.is_fp8()),
+            MlpIn::Paired(_) => 0,
         };
         attn + mlp + usize::from(self.o_proj.is_fp8()) + usize::from(self.down_proj.is_fp8())
     }
@@ -704,6 +735,7 @@ impl DecoderLayer {
                 swiglu_cols(y.clone(), y, 0, intermediate, intermediate)
             }
             MlpIn::Split { gate, up } => swiglu_cols(gate.apply(h.clone()), up.apply(h), 0, 0, intermediate),
+            MlpIn::Paired(w) => dspark_kernels::linear_swiglu(h, w),
         };
         self.down_proj.apply_add_norm(x, act, next_norm, eps)
     }
