@@ -210,6 +210,51 @@ pub fn qkv_norm_rope_store(
     )
 }
 
+/// [`qkv_norm_rope_store`] without q heads: the K/V of context rows from one fused k/v
+/// projection output `y` (`kv_heads` k heads from column 0, then as many v heads), k normed and
+/// rotated, both stored at pool rows `rows` (one kernel on CUDA in bf16).
+///
+/// # Shapes
+/// `y`: `[n, ≥ 2·kv_heads·head_dim]`, `cos`/`sin`: `[n, head_dim]`, `rows`: `[n]`, pools:
+/// `[pool_rows, kv_heads, head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_norm_rope_store(
+    y: Tensor<2>,
+    (kv_heads, head_dim): (usize, usize),
+    k_norm: &Tensor<1>,
+    (cos, sin): (&Tensor<2>, &Tensor<2>),
+    eps: f64,
+    rows: &Tensor<1, Int>,
+    k_pool: &mut Tensor<3>,
+    v_pool: &mut Tensor<3>,
+) {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled()
+        && cuda::fused::takes_qkv_store(
+            &y, 0, kv_heads, head_dim, k_norm, k_norm, cos, sin, rows, k_pool, v_pool,
+        )
+    {
+        k_pool.inplace(|k| {
+            let mut k_out = None;
+            v_pool.inplace(|v| {
+                let (k_new, v_new) =
+                    cuda::fused::kv_norm_rope_store(y, head_dim, k_norm, cos, sin, eps, rows, k, v);
+                k_out = Some(k_new);
+                v_new
+            });
+            // `inplace` runs its closure exactly once.
+            k_out.expect("the pool update ran")
+        });
+        return;
+    }
+    let n = y.dims()[0];
+    let k = qk_norm_rope(y.clone(), 0, kv_heads, head_dim, k_norm, cos, sin, eps);
+    let v = y.narrow(1, kv_heads * head_dim, kv_heads * head_dim).reshape([n, kv_heads, head_dim]);
+    let assign = burn::tensor::IndexingUpdateOp::Assign;
+    k_pool.inplace(|t| t.select_assign(0, rows.clone(), k, assign));
+    v_pool.inplace(|t| t.select_assign(0, rows.clone(), v, assign));
+}
+
 /// Per-head RMSNorm then RoPE of `heads` heads starting at column `offset` of `x`, as
 /// [`reference::qk_norm_rope`] computes them: q or k straight out of a fused q/k/v projection.
 /// On CUDA in bf16 with a head width that is a multiple of 64 it is one kernel (a warp per row

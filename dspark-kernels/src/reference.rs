@@ -295,6 +295,36 @@ mod tests {
     }
 
     #[test]
+    fn kv_store_matches_the_kv_part_of_the_qkv_store() {
+        let device = Device::flex();
+        let (heads, kv_heads, hd, rows, pool_rows) = (2usize, 2usize, 4usize, 3usize, 5usize);
+        let y =
+            Tensor::<2>::random([rows, (heads + 2 * kv_heads) * hd], Distribution::Normal(0.0, 1.0), &device);
+        let table = || Tensor::<2>::random([rows, hd], Distribution::Normal(0.0, 1.0), &device);
+        let (cos, sin, w) =
+            (table(), table(), Tensor::<1>::random([hd], Distribution::Normal(1.0, 0.1), &device));
+        let idx = Tensor::<1, Int>::from_data(TensorData::new(vec![3i64, 1, 4], [rows]), &device);
+        let pool = || Tensor::<3>::zeros([pool_rows, kv_heads, hd], &device);
+        let (mut k1, mut v1, mut k2, mut v2) = (pool(), pool(), pool(), pool());
+        let _ = qkv_norm_rope_store(
+            y.clone(),
+            (heads, kv_heads, hd),
+            &w,
+            &w,
+            (&cos, &sin),
+            1e-6,
+            &idx,
+            &mut k1,
+            &mut v1,
+        );
+        let kv = y.narrow(1, heads * hd, 2 * kv_heads * hd);
+        crate::kv_norm_rope_store(kv, (kv_heads, hd), &w, (&cos, &sin), 1e-6, &idx, &mut k2, &mut v2);
+        let vec = |t: Tensor<3>| t.into_data().try_to_vec::<f32>().expect("f32");
+        assert_eq!(vec(k1), vec(k2));
+        assert_eq!(vec(v1), vec(v2));
+    }
+
+    #[test]
     fn paired_gate_up_product_is_the_swiglu_of_the_two_products() {
         let device = Device::flex();
         let (rows, inp, inter) = (3usize, 32usize, 24usize);

@@ -904,7 +904,8 @@ fn linear_add_rms_norm_matches_reference() {
 
 /// q/k norm + RoPE and both K/V stores in one kernel: q as `qk_norm_rope` gives it, the pool
 /// rows named by the index (i32 and i64) holding k and v exactly, every other pool row
-/// unchanged, and the same pools as the plain-burn body's row assignment.
+/// unchanged, and the same pools as the plain-burn body's row assignment; the K/V-only variant
+/// (context rows) stores the same rows.
 #[test]
 fn qkv_norm_rope_store_matches_reference() {
     let device = cuda();
@@ -986,6 +987,20 @@ fn qkv_norm_rope_store_matches_reference() {
                         }
                     }
                 }
+                // K/V only (a draft's context rows): the same pools from the k/v columns alone.
+                let (mut kc, mut vc) = (k0.clone().add_scalar(0.0), v0.clone().add_scalar(0.0));
+                let y_kv = y.clone().narrow(1, heads * hd, 2 * kv_heads * hd);
+                dspark_kernels::kv_norm_rope_store(
+                    y_kv,
+                    (kv_heads, hd),
+                    &wk,
+                    (&cos, &sin),
+                    eps,
+                    &idx,
+                    &mut kc,
+                    &mut vc,
+                );
+                assert_eq!((flat(&kc), flat(&vc)), (kh.clone(), vh.clone()), "{what}: K/V-only store");
                 // The plain-burn body gives the same pools; a shared pool is not written in place.
                 let (mut kb, mut vb) = (k0.clone(), v0.clone());
                 let _ = dspark_kernels::reference::qkv_norm_rope_store(

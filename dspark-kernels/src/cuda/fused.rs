@@ -512,7 +512,10 @@ fn launch_qkv_store(
     assert!(all * head_dim <= stride, "qkv_store: heads past the end of the row");
     let idx_words = idx.dtype.size() / 4;
     let client = y.client.clone();
-    let q = empty_like(&y, [rows, heads, head_dim].into());
+    // Without q heads (context rows' K/V only) the kernel never writes q: a one-element stand-in.
+    let q_shape: [usize; 3] = if heads == 0 { [1, 1, 1] } else { [rows, heads, head_dim] };
+    let q = empty_like(&y, q_shape.into());
+    let q_len = q_shape.iter().product::<usize>();
     let pool_len = pool_rows * kv_heads * head_dim;
     // SAFETY: `y` holds `rows·stride` bf16 and cube (r, h) reads row r's columns
     // `h·hd .. (h+1)·hd < stride` (checked above); tables hold `rows·hd`, `idx` `rows` entries of
@@ -529,7 +532,7 @@ fn launch_qkv_store(
             BufferArg::from_raw_parts(cos.handle.clone(), rows * head_dim),
             BufferArg::from_raw_parts(sin.handle.clone(), rows * head_dim),
             BufferArg::from_raw_parts(idx.handle.clone(), rows * idx_words),
-            BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim),
+            BufferArg::from_raw_parts(q.handle.clone(), q_len),
             BufferArg::from_raw_parts(k_pool.handle.clone(), pool_len),
             BufferArg::from_raw_parts(v_pool.handle.clone(), pool_len),
             stride as u32,
@@ -662,6 +665,22 @@ pub trait FusedOps: burn::backend::Backend {
         burn::backend::tensor::FloatTensor<Self>,
     );
 
+    /// The k and v heads of `y` (k from column 0, then v) stored at pool rows `idx`, k normed
+    /// and rotated ([`qkv_store_kernel`] without q heads); returns `(k_pool, v_pool)`.
+    #[fusion(meta = |_y, _k_w, _cos, _sin, _idx, k_pool, v_pool, _head_dim, _eps| (k_pool.clone(), v_pool.clone()))]
+    #[allow(clippy::too_many_arguments)]
+    fn kv_norm_rope_store(
+        y: burn::backend::tensor::FloatTensor<Self>,
+        k_w: burn::backend::tensor::FloatTensor<Self>,
+        cos: burn::backend::tensor::FloatTensor<Self>,
+        sin: burn::backend::tensor::FloatTensor<Self>,
+        idx: burn::backend::tensor::IntTensor<Self>,
+        k_pool: burn::backend::tensor::FloatTensor<Self>,
+        v_pool: burn::backend::tensor::FloatTensor<Self>,
+        head_dim: usize,
+        eps: f32,
+    ) -> (burn::backend::tensor::FloatTensor<Self>, burn::backend::tensor::FloatTensor<Self>);
+
     /// `silu(g[:, g_off..])·u[:, u_off..]`, `width` columns.
     #[fusion(dtype = g, shape = swiglu_shape(g, width))]
     fn swiglu_cols(
@@ -739,6 +758,22 @@ impl FusedOps for CubeBackend {
         eps: f32,
     ) -> (CubeTensor, CubeTensor, CubeTensor) {
         launch_qkv_store(y, q_w, k_w, cos, sin, idx, k_pool, v_pool, heads, head_dim, eps)
+    }
+
+    fn kv_norm_rope_store(
+        y: CubeTensor,
+        k_w: CubeTensor,
+        cos: CubeTensor,
+        sin: CubeTensor,
+        idx: CubeTensor,
+        k_pool: CubeTensor,
+        v_pool: CubeTensor,
+        head_dim: usize,
+        eps: f32,
+    ) -> (CubeTensor, CubeTensor) {
+        let (_, k, v) =
+            launch_qkv_store(y, k_w.clone(), k_w, cos, sin, idx, k_pool, v_pool, 0, head_dim, eps);
+        (k, v)
     }
 
     fn swiglu_cols(g: CubeTensor, u: CubeTensor, g_off: usize, u_off: usize, width: usize) -> CubeTensor {
@@ -879,6 +914,33 @@ pub(crate) fn qkv_norm_rope_store(
         eps as f32,
     );
     (Tensor::from_dispatch(q), Tensor::from_dispatch(k), Tensor::from_dispatch(v))
+}
+
+/// See [`crate::kv_norm_rope_store`]; the caller checked [`takes_qkv_store`] (no q heads).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn kv_norm_rope_store(
+    y: Tensor<2>,
+    head_dim: usize,
+    k_w: &Tensor<1>,
+    cos: &Tensor<2>,
+    sin: &Tensor<2>,
+    eps: f64,
+    idx: &Tensor<1, burn::tensor::Int>,
+    k_pool: Tensor<3>,
+    v_pool: Tensor<3>,
+) -> (Tensor<3>, Tensor<3>) {
+    let (k, v) = <Dispatch as FusedOps>::kv_norm_rope_store(
+        y.into_dispatch(),
+        k_w.clone().into_dispatch(),
+        cos.clone().into_dispatch(),
+        sin.clone().into_dispatch(),
+        idx.clone().into_dispatch(),
+        k_pool.into_dispatch(),
+        v_pool.into_dispatch(),
+        head_dim,
+        eps as f32,
+    );
+    (Tensor::from_dispatch(k), Tensor::from_dispatch(v))
 }
 
 pub(crate) fn swiglu(g: Tensor<2>, u: Tensor<2>, g_off: usize, u_off: usize, width: usize) -> Tensor<2> {

@@ -797,6 +797,16 @@ impl DecoderLayer {
     ) -> Result<()> {
         let LayerShape { heads, kv_heads, head_dim, eps, .. } = self.shape;
         let rows = c.dims()[0];
+        // Pool rows of a fused weight's k/v output: norm, RoPE and both stores in one kernel.
+        if let (AttnIn::Fused(w), ContextRows::Physical(at)) = (&self.attn_in, at)
+            && at.dims()[0] == rows
+            && let Some((k_pool, v_pool)) = cache.pools_mut(layer)
+        {
+            let y = w.apply_rows(c, heads * head_dim, 2 * kv_heads * head_dim);
+            let (rope, shape) = ((cos, sin), (kv_heads, head_dim));
+            dspark_kernels::kv_norm_rope_store(y, shape, &self.k_norm, rope, eps, at, k_pool, v_pool);
+            return Ok(());
+        }
         let (k_src, v_src, v_off) = match &self.attn_in {
             // The k and v rows of the fused weight (a view: they are contiguous rows).
             AttnIn::Fused(w) => {
