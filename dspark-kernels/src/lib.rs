@@ -181,21 +181,9 @@ pub fn qkv_norm_rope_store(
             &y, heads, kv_heads, head_dim, q_norm, k_norm, cos, sin, rows, k_pool, v_pool,
         )
     {
-        let mut q = None;
-        k_pool.inplace(|k| {
-            let mut k_out = None;
-            v_pool.inplace(|v| {
-                let (q_new, k_new, v_new) = cuda::fused::qkv_norm_rope_store(
-                    y, heads, head_dim, q_norm, k_norm, cos, sin, eps, rows, k, v,
-                );
-                q = Some(q_new);
-                k_out = Some(k_new);
-                v_new
-            });
-            // `inplace` runs its closure exactly once.
-            k_out.expect("the pool update ran")
+        return with_pools(k_pool, v_pool, |k, v| {
+            cuda::fused::qkv_norm_rope_store(y, heads, head_dim, q_norm, k_norm, cos, sin, eps, rows, k, v)
         });
-        return q.expect("the pool update ran");
     }
     reference::qkv_norm_rope_store(
         y,
@@ -234,25 +222,35 @@ pub fn kv_norm_rope_store(
             &y, 0, kv_heads, head_dim, k_norm, k_norm, cos, sin, rows, k_pool, v_pool,
         )
     {
-        k_pool.inplace(|k| {
-            let mut k_out = None;
-            v_pool.inplace(|v| {
-                let (k_new, v_new) =
-                    cuda::fused::kv_norm_rope_store(y, head_dim, k_norm, cos, sin, eps, rows, k, v);
-                k_out = Some(k_new);
-                v_new
-            });
-            // `inplace` runs its closure exactly once.
-            k_out.expect("the pool update ran")
+        return with_pools(k_pool, v_pool, |k, v| {
+            let (k, v) = cuda::fused::kv_norm_rope_store(y, head_dim, k_norm, cos, sin, eps, rows, k, v);
+            ((), k, v)
         });
-        return;
     }
-    let n = y.dims()[0];
-    let k = qk_norm_rope(y.clone(), 0, kv_heads, head_dim, k_norm, cos, sin, eps);
-    let v = y.narrow(1, kv_heads * head_dim, kv_heads * head_dim).reshape([n, kv_heads, head_dim]);
-    let assign = burn::tensor::IndexingUpdateOp::Assign;
-    k_pool.inplace(|t| t.select_assign(0, rows.clone(), k, assign));
-    v_pool.inplace(|t| t.select_assign(0, rows.clone(), v, assign));
+    reference::kv_norm_rope_store(y, (kv_heads, head_dim), k_norm, (cos, sin), eps, rows, k_pool, v_pool)
+}
+
+/// Runs `f` on the two pools taken out of their places, puts back the pools it returns and hands
+/// out the rest (a kernel that writes the pools in place returns the same buffers).
+#[cfg(feature = "cuda")]
+fn with_pools<T>(
+    k_pool: &mut Tensor<3>,
+    v_pool: &mut Tensor<3>,
+    f: impl FnOnce(Tensor<3>, Tensor<3>) -> (T, Tensor<3>, Tensor<3>),
+) -> T {
+    let mut out = None;
+    k_pool.inplace(|k| {
+        let mut k_out = None;
+        v_pool.inplace(|v| {
+            let (rest, k_new, v_new) = f(k, v);
+            out = Some(rest);
+            k_out = Some(k_new);
+            v_new
+        });
+        // `inplace` runs its closure exactly once.
+        k_out.expect("the pool update ran")
+    });
+    out.expect("the pool update ran")
 }
 
 /// Per-head RMSNorm then RoPE of `heads` heads starting at column `offset` of `x`, as

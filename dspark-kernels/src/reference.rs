@@ -72,8 +72,8 @@ pub fn add_rms_norm(x: Tensor<2>, delta: Tensor<2>, weight: &Tensor<1>, eps: f64
     (sum.clone(), rms_norm(sum, weight, eps))
 }
 
-/// The body of [`crate::qkv_norm_rope_store`]: q and k through [`crate::qk_norm_rope`], v as
-/// it is, k and v assigned to pool rows `rows`.
+/// The body of [`crate::qkv_norm_rope_store`]: q through [`crate::qk_norm_rope`], then
+/// [`kv_norm_rope_store`] on the k/v columns.
 #[allow(clippy::too_many_arguments)]
 pub fn qkv_norm_rope_store(
     y: Tensor<2>,
@@ -86,14 +86,31 @@ pub fn qkv_norm_rope_store(
     k_pool: &mut Tensor<3>,
     v_pool: &mut Tensor<3>,
 ) -> Tensor<3> {
-    let n = y.dims()[0];
     let q = crate::qk_norm_rope(y.clone(), 0, heads, head_dim, q_norm, cos, sin, eps);
-    let k = crate::qk_norm_rope(y.clone(), heads * head_dim, kv_heads, head_dim, k_norm, cos, sin, eps);
-    let v = y.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim).reshape([n, kv_heads, head_dim]);
+    let kv = y.narrow(1, heads * head_dim, 2 * kv_heads * head_dim);
+    kv_norm_rope_store(kv, (kv_heads, head_dim), k_norm, (cos, sin), eps, rows, k_pool, v_pool);
+    q
+}
+
+/// The body of [`crate::kv_norm_rope_store`]: k through [`crate::qk_norm_rope`], v as it is,
+/// both assigned to pool rows `rows`.
+#[allow(clippy::too_many_arguments)]
+pub fn kv_norm_rope_store(
+    y: Tensor<2>,
+    (kv_heads, head_dim): (usize, usize),
+    k_norm: &Tensor<1>,
+    (cos, sin): (&Tensor<2>, &Tensor<2>),
+    eps: f64,
+    rows: &Tensor<1, Int>,
+    k_pool: &mut Tensor<3>,
+    v_pool: &mut Tensor<3>,
+) {
+    let n = y.dims()[0];
+    let k = crate::qk_norm_rope(y.clone(), 0, kv_heads, head_dim, k_norm, cos, sin, eps);
+    let v = y.narrow(1, kv_heads * head_dim, kv_heads * head_dim).reshape([n, kv_heads, head_dim]);
     let assign = burn::tensor::IndexingUpdateOp::Assign;
     k_pool.inplace(|t| t.select_assign(0, rows.clone(), k, assign));
     v_pool.inplace(|t| t.select_assign(0, rows.clone(), v, assign));
-    q
 }
 
 /// Per-head RMSNorm and RoPE of `heads` heads read from column `offset` of `x` (q or k out of a
