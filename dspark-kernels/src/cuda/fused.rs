@@ -1,6 +1,8 @@
 //! The small fused kernels around the projections: RMSNorm (with or without the residual add
-//! before it), per-head RMSNorm + RoPE of q or k, and the SwiGLU gate. Each replaces a chain of
-//! a few to a dozen elementwise and reduction launches of plain burn with one launch.
+//! before it, whose delta may be a split product's uncombined f32 sums), per-head RMSNorm + RoPE
+//! of q or k, the whole attention input of a layer with both K/V pool stores, and the SwiGLU
+//! gate. Each replaces a chain of a few to a dozen elementwise and reduction launches of plain
+//! burn (or of this crate's own smaller kernels) with one launch.
 //!
 //! Every kernel rounds to bf16 where its plain-burn body (in [`crate::reference`]) rounds, so
 //! the two differ only in the order of the f32 sum of squares. A row's sums are made in an
