@@ -13,7 +13,7 @@ use crate::accept::{chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{LogitRows, SeqChunk};
-use crate::sampling::{argmax, target_probs};
+use crate::sampling::{argmax, target_probs_rows};
 use crate::speculator::{Proposal, ProposeLane};
 
 /// How many of `proposal`'s drafts to verify under `policy`.
@@ -121,7 +121,7 @@ impl Engine {
                 };
                 greedy_verify(drafts, &target_argmax, None)?
             } else {
-                let p: Vec<Vec<f64>> = rows.iter().map(|r| target_probs(r, params)).collect();
+                let p = target_probs_rows(&rows, params);
                 let q = proposals[i]
                     .q
                     .as_ref()

@@ -95,19 +95,24 @@ impl DeviceMarkov {
             let row = self.corrected(&prev, &base, k);
             // The token, drawn on the host.
             let host = read_f32(row)?;
-            let mut next = Vec::with_capacity(lanes);
-            for (i, logits) in host.chunks(v).enumerate() {
+            // Lanes draw independently: over threads when the rows are long (the same draws).
+            let rows: Vec<(usize, &[f32])> = host.chunks(v).enumerate().collect();
+            let drawn = crate::sampling::map_rows(&rows, host.len(), |&(i, logits)| {
                 let logits: Vec<f64> = logits.iter().map(|&x| f64::from(x)).collect();
                 let p = params[i];
-                let token = if p.is_greedy() {
-                    argmax_f64(&logits)
+                if p.is_greedy() {
+                    (argmax_f64(&logits), None)
                 } else {
                     let q = softmax_t(&logits, f64::from(p.temperature));
                     let u = coin(p.seed, Stream::Draft, positions[i] + k + 1);
-                    let t = sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits));
+                    (sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits)), Some(q))
+                }
+            });
+            let mut next = Vec::with_capacity(lanes);
+            for (i, (token, q)) in drawn.into_iter().enumerate() {
+                if let Some(q) = q {
                     round.q[i].push(q);
-                    t
-                };
+                }
                 round.tokens[i].push(token);
                 next.push(i64::from(token));
             }
