@@ -156,19 +156,16 @@ pub fn target_probs(logits: &[f32], params: &SamplingParams) -> Vec<f64> {
     }
     // 2. softmax over the survivors, in f64.
     let max = logits.iter().copied().filter(|v| *v >= floor).fold(f32::NEG_INFINITY, f32::max);
-    let mut total = 0.0;
-    for (p, &l) in probs.iter_mut().zip(logits) {
-        if l >= floor && l.is_finite() {
-            *p = ((f64::from(l) - f64::from(max)) * inv_t).exp();
-            total += *p;
-        }
-    }
+    let total = fill_and_sum(&mut probs, |i| {
+        let l = logits[i];
+        if l >= floor && l.is_finite() { ((f64::from(l) - f64::from(max)) * inv_t).exp() } else { 0.0 }
+    });
     if total <= 0.0 || !total.is_finite() {
         probs.iter_mut().for_each(|p| *p = 0.0);
         probs[argmax(logits) as usize] = 1.0;
         return probs;
     }
-    probs.iter_mut().for_each(|p| *p /= total);
+    divide_all(&mut probs, total);
     // 3. top-p: keep a token iff the mass ranked strictly above it is below top_p.
     if params.top_p < 1.0 {
         let order = top_by_mass(&probs, f64::from(params.top_p));
@@ -225,33 +222,53 @@ pub fn target_probs_rows(rows: &[&[f32]], params: &SamplingParams) -> Vec<Vec<f6
     map_rows(rows, elements, |r| target_probs(r, params))
 }
 
-/// `items.iter().map(f)`, spread over threads in contiguous chunks when the work (`elements`
-/// values in all) is large enough to pay for them; each item is computed exactly as alone, so
-/// the result does not depend on the number of threads.
+/// `items.iter().map(f)`, spread over threads when the work (`elements` values in all) is large
+/// enough to pay for them; each item is computed exactly as alone, so the result does not
+/// depend on the number of threads.
 pub(crate) fn map_rows<T: Sync, R: Send>(items: &[T], elements: usize, f: impl Fn(&T) -> R + Sync) -> Vec<R> {
-    /// Values below which threads cost more than they save.
-    const PARALLEL_ELEMENTS: usize = 1 << 16;
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(items.len());
-    if threads < 2 || elements < PARALLEL_ELEMENTS {
-        return items.iter().map(&f).collect();
+    use rayon::prelude::*;
+    if items.len() < 2 || elements < PARALLEL_ELEMENTS {
+        return items.iter().map(f).collect();
     }
-    let per = items.len().div_ceil(threads);
-    let f = &f;
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = items
-            .chunks(per)
-            .map(|chunk| scope.spawn(move || chunk.iter().map(f).collect::<Vec<R>>()))
-            .collect();
-        let mut out = Vec::with_capacity(items.len());
-        for h in handles {
-            match h.join() {
-                Ok(part) => out.extend(part),
-                // A panic inside `f` is passed on as it was.
-                Err(e) => std::panic::resume_unwind(e),
-            }
+    items.par_iter().map(&f).collect()
+}
+
+/// Values below which threads cost more than they save.
+const PARALLEL_ELEMENTS: usize = 1 << 16;
+/// Values of a row per chunk of [`fill_and_sum`]: its sum is made chunk by chunk, then over the
+/// chunks in order, so it does not depend on the number of threads (and a row of at most this
+/// many values is summed in plain index order).
+const SUM_CHUNK: usize = 8192;
+
+/// `out[i] = f(i)` for every `i`, returning `Σ out` (each chunk of [`SUM_CHUNK`] values in index
+/// order, then the chunks' sums in order); chunks run over threads for long rows. A 151 936-wide
+/// f64 softmax takes about 2.6 ms on one core.
+pub(crate) fn fill_and_sum(out: &mut [f64], f: impl Fn(usize) -> f64 + Sync) -> f64 {
+    use rayon::prelude::*;
+    let chunk_sum = |(c, chunk): (usize, &mut [f64])| {
+        let mut sum = 0.0;
+        for (j, o) in chunk.iter_mut().enumerate() {
+            *o = f(c * SUM_CHUNK + j);
+            sum += *o;
         }
-        out
-    })
+        sum
+    };
+    let sums: Vec<f64> = if out.len() < PARALLEL_ELEMENTS {
+        out.chunks_mut(SUM_CHUNK).enumerate().map(chunk_sum).collect()
+    } else {
+        out.par_chunks_mut(SUM_CHUNK).enumerate().map(chunk_sum).collect()
+    };
+    sums.iter().sum()
+}
+
+/// `x /= total` for every value (over threads for long rows).
+pub(crate) fn divide_all(values: &mut [f64], total: f64) {
+    use rayon::prelude::*;
+    if values.len() < PARALLEL_ELEMENTS {
+        values.iter_mut().for_each(|x| *x /= total);
+    } else {
+        values.par_chunks_mut(SUM_CHUNK).for_each(|c| c.iter_mut().for_each(|x| *x /= total));
+    }
 }
 
 /// Draw the next token from one logits row at absolute `position`.
@@ -284,6 +301,28 @@ mod tests {
             assert_eq!(target_probs_rows(&refs, &params), seq);
         }
         assert!(target_probs_rows(&[], &sampled(1.0, 0, 1.0)).is_empty());
+    }
+
+    #[test]
+    fn long_rows_are_summed_chunk_by_chunk_whatever_the_threads() {
+        let f = |i: usize| ((i * 7919 % 10_007) as f64 / 1000.0 - 5.0).exp();
+        for len in [5usize, SUM_CHUNK, 3 * SUM_CHUNK + 17, 151_936] {
+            let mut out = vec![0.0; len];
+            let total = fill_and_sum(&mut out, f);
+            // The same order by hand: each chunk in index order, then the chunks in order.
+            let chunks: Vec<f64> = (0..len)
+                .collect::<Vec<_>>()
+                .chunks(SUM_CHUNK)
+                .map(|c| c.iter().fold(0.0, |s, &i| s + f(i)))
+                .collect();
+            assert_eq!(total.to_bits(), chunks.iter().sum::<f64>().to_bits(), "len {len}");
+            assert!(out.iter().enumerate().all(|(i, &v)| v == f(i)), "len {len}");
+            if len <= SUM_CHUNK {
+                assert_eq!(total, (0..len).map(f).sum::<f64>(), "a short row is summed in index order");
+            }
+            divide_all(&mut out, total);
+            assert!((out.iter().sum::<f64>() - 1.0).abs() < 1e-9);
+        }
     }
 
     #[test]

@@ -118,12 +118,14 @@ impl ConfidenceHead {
     }
 }
 
-/// Probabilities `softmax(logits / temperature)` in f64.
+/// Probabilities `softmax(logits / temperature)` in f64 (the sum over chunks of the row, see
+/// [`crate::sampling::fill_and_sum`]: over threads for a long row, the same values whatever
+/// their number).
 pub fn softmax_t(logits: &[f64], temperature: f64) -> Vec<f64> {
     let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let mut p: Vec<f64> = logits.iter().map(|&l| ((l - max) / temperature).exp()).collect();
-    let total: f64 = p.iter().sum();
-    p.iter_mut().for_each(|x| *x /= total);
+    let mut p = vec![0.0f64; logits.len()];
+    let total = crate::sampling::fill_and_sum(&mut p, |i| ((logits[i] - max) / temperature).exp());
+    crate::sampling::divide_all(&mut p, total);
     p
 }
 
