@@ -319,6 +319,28 @@ pub fn argmax_rows(x: Tensor<2>) -> Tensor<1, Int> {
     reference::argmax_rows(x)
 }
 
+/// One draw per row from `softmax(x_r / T_r)` over the whole row (the draft's proposal in a
+/// sampled Markov step), or the argmax where `T_r = 0`, as [`reference::draw_row`] defines it.
+/// Row `r`'s temperature and coin are the three values `draws[3r .. 3r + 3]` made by
+/// [`reference::draw_words`]; they live in device memory, so a recorded round draws new coins
+/// on every replay.
+///
+/// On CUDA for f32 rows it is two launches (row segments of 4096 in parallel: each one's maximum,
+/// its lowest index and its f64 sum of weights; then one cube per row walking the segments, and
+/// inside the chosen one, in index order). The sums run in a fixed order, so a row's draw
+/// depends only on the row and its words; against the host rule the weights and sums differ
+/// only by f64 rounding.
+///
+/// # Shapes
+/// `x`: `[rows, width]`, `draws`: `[3·rows]` → `[rows]`.
+pub fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::fused::takes_argmax(&x) {
+        return cuda::sample::sample_rows(x, draws);
+    }
+    reference::sample_rows(x, draws)
+}
+
 /// Whether this crate's CUDA kernels can run on `device` (a CUDA build, a CUDA device, kernels
 /// enabled). Callers use it to skip preparing kernel inputs on other devices.
 pub fn kernels_available(device: &burn::tensor::Device) -> bool {

@@ -186,6 +186,82 @@ pub enum AttentionMask {
     Full,
 }
 
+/// One row's draw from `softmax(x / T)` over the whole row, the rule of
+/// [`crate::sample_rows`]: f64 weights `exp((x_i − max) / T)`, the first index whose running
+/// sum exceeds `u · Σ weights` (with a positive weight), the last positive weight when rounding
+/// leaves `u · Σ` unreached. `T = 0`, a total that is not positive or not a number, or no value
+/// above −∞ give the argmax (lowest index on ties, NaN skipped, 0 when nothing exceeds −∞).
+pub fn draw_row(x: &[f32], temperature: f32, u: f64) -> u32 {
+    let (mut best, mut best_value) = (0usize, f32::NEG_INFINITY);
+    for (i, &v) in x.iter().enumerate() {
+        if v > best_value {
+            best = i;
+            best_value = v;
+        }
+    }
+    if temperature <= 0.0 || best_value == f32::NEG_INFINITY {
+        return best as u32;
+    }
+    let (max, t) = (f64::from(best_value), f64::from(temperature));
+    let weights: Vec<f64> = x.iter().map(|&v| ((f64::from(v) - max) / t).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    if total.is_nan() || total <= 0.0 {
+        return best as u32;
+    }
+    let target = u * total;
+    let (mut running, mut last_positive) = (0.0f64, best);
+    for (i, &w) in weights.iter().enumerate() {
+        if w > 0.0 {
+            last_positive = i;
+        }
+        running += w;
+        if running > target && w > 0.0 {
+            return i as u32;
+        }
+    }
+    last_positive as u32
+}
+
+/// The three index values that tell [`crate::sample_rows`] how to draw one row: the bits of
+/// the temperature (0 for the argmax), and the coin `u ∈ [0, 1)` on a grid of 2⁻⁵³ as its high
+/// 26 and low 27 bits. Each fits in an i32, so the values travel in either index dtype.
+pub fn draw_words(temperature: f32, u: f64) -> [i64; 3] {
+    let bits = if temperature > 0.0 { temperature.to_bits() } else { 0 };
+    let c = (u.clamp(0.0, 1.0) * (1u64 << 53) as f64) as u64;
+    let c = c.min((1u64 << 53) - 1);
+    [i64::from(bits), (c >> 27) as i64, (c & ((1 << 27) - 1)) as i64]
+}
+
+/// Inverse of [`draw_words`]: the temperature and the coin.
+pub fn draw_params(words: [i64; 3]) -> (f32, f64) {
+    let t = f32::from_bits(words[0] as u32);
+    let c = ((words[1] as u64) << 27) | (words[2] as u64 & ((1 << 27) - 1));
+    (t, c as f64 * (1.0 / (1u64 << 53) as f64))
+}
+
+/// The body of [`crate::sample_rows`]: the rows and their draw words are read back and each row
+/// is drawn on the host by [`draw_row`].
+///
+/// # Shapes
+/// `x`: `[rows, width]` (any float dtype, widened to f32), `draws`: `[3·rows]` → `[rows]` (i64
+/// on `x`'s device).
+///
+/// # Panics
+/// If `x` or `draws` cannot be read back (a device error).
+pub fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int> {
+    let [rows, width] = x.dims();
+    let device = x.device();
+    let values = x.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 rows");
+    let words = draws.into_data().convert::<i64>().try_to_vec::<i64>().expect("draw words");
+    let ids: Vec<i64> = (0..rows)
+        .map(|r| {
+            let (t, u) = draw_params([words[3 * r], words[3 * r + 1], words[3 * r + 2]]);
+            i64::from(draw_row(&values[r * width..(r + 1) * width], t, u))
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [rows]), &device)
+}
+
 /// Scaled dot-product attention with grouped-query heads (query head `h` reads key/value head
 /// `h / (heads / kv_heads)`), softmax in f32.
 ///
@@ -366,6 +442,49 @@ mod tests {
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
         }
+    }
+
+    #[test]
+    fn draw_words_round_trip_and_fit_in_i32() {
+        for (t, u) in
+            [(0.7f32, 0.0f64), (1.0, 0.5), (2.5, 1.0 - 1.0 / (1u64 << 53) as f64), (1e-3, 0.123_456_789)]
+        {
+            let words = draw_words(t, u);
+            assert!(words.iter().all(|&w| (0..=i64::from(i32::MAX)).contains(&w)), "{words:?}");
+            let (t2, u2) = draw_params(words);
+            assert_eq!(t2, t);
+            // On the 2⁻⁵³ grid the coin is exact.
+            assert_eq!(u2, (u * (1u64 << 53) as f64).floor() / (1u64 << 53) as f64);
+        }
+        // A greedy lane's words: temperature 0.
+        assert_eq!(draw_params(draw_words(0.0, 0.9)).0, 0.0);
+        assert_eq!(draw_params(draw_words(-1.0, 0.9)).0, 0.0);
+    }
+
+    #[test]
+    fn draw_row_is_an_inverse_cdf_draw() {
+        // ln-weights 0, ln 3, ln 4 at T = 1: probabilities 1/8, 3/8, 4/8.
+        let x = [0.0f32, 3.0f32.ln(), 4.0f32.ln()];
+        assert_eq!(draw_row(&x, 1.0, 0.0), 0);
+        assert_eq!(draw_row(&x, 1.0, 0.124), 0);
+        assert_eq!(draw_row(&x, 1.0, 0.126), 1);
+        assert_eq!(draw_row(&x, 1.0, 0.499), 1);
+        assert_eq!(draw_row(&x, 1.0, 0.501), 2);
+        assert_eq!(draw_row(&x, 1.0, 0.999_999), 2);
+        // T = 0 and a NaN total give the argmax; −∞ values are never drawn; a row of −∞ gives 0.
+        assert_eq!(draw_row(&x, 0.0, 0.01), 2);
+        assert_eq!(draw_row(&[1.0, f32::NAN, 0.5], 1.0, 0.9), 0);
+        assert_eq!(draw_row(&[f32::NEG_INFINITY, 1.0, f32::NEG_INFINITY], 1.0, 0.99), 1);
+        assert_eq!(draw_row(&[f32::NEG_INFINITY; 3], 1.0, 0.5), 0);
+        // A low temperature sharpens toward the maximum.
+        assert_eq!(draw_row(&x, 0.05, 0.9), 2);
+        // The body draws each row with its own words.
+        let device = Default::default();
+        let rows = Tensor::<2>::from_data(TensorData::new(vec![0.0f32, 10.0, 10.0, 0.0], [2, 2]), &device);
+        let words: Vec<i64> = [draw_words(1.0, 0.5), draw_words(0.0, 0.5)].concat();
+        let draws = Tensor::<1, Int>::from_data(TensorData::new(words, [6]), &device);
+        let ids = sample_rows(rows, draws).into_data().convert::<i64>().try_to_vec::<i64>().expect("i64 ids");
+        assert_eq!(ids, vec![1, 0]);
     }
 
     #[test]

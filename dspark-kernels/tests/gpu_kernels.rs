@@ -1091,3 +1091,145 @@ fn linear_swiglu_matches_reference() {
         }
     }
 }
+
+/// `(CDF just before i, CDF through i)` of `softmax(x / t)` in float64, the sums in index order.
+fn cdf_around(x: &[f32], t: f32, i: usize) -> (f64, f64) {
+    let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f64> = x.iter().map(|&v| ((f64::from(v) - f64::from(max)) / f64::from(t)).exp()).collect();
+    let total: f64 = w.iter().sum();
+    let before: f64 = w[..i].iter().sum();
+    (before / total, (before + w[i]) / total)
+}
+
+#[test]
+fn sample_rows_matches_reference() {
+    let device = cuda();
+    let mut state = 0x5EED_u64;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let temps = [0.0f32, 0.6, 1.0, 1.7];
+    let (mut sampled, mut mismatches) = (0usize, 0usize);
+    for &(rows, width) in &[(8usize, 151_936usize), (33, 1000), (5, 8193), (64, 4096), (200, 64)] {
+        let x = random(rows, width, 2.5, &device).cast(DType::F32);
+        let mut h = host(x.clone());
+        if rows > 4 {
+            // Row 1 holds a NaN (drawn as the argmax), row 2 is all −∞ (0), row 3 has a single
+            // finite value (always drawn).
+            h[width + 1] = f32::NAN;
+            h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            h[3 * width..4 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            h[4 * width - 2] = 0.5;
+        }
+        let mut words = Vec::with_capacity(3 * rows);
+        let mut params = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let t = temps[r % temps.len()];
+            // Coins at both ends of [0, 1) as well as in between.
+            let u = match r % 7 {
+                5 => 0.0,
+                6 => 1.0 - 1.0 / (1u64 << 53) as f64,
+                _ => next(),
+            };
+            let w = dspark_kernels::reference::draw_words(t, u);
+            assert_eq!(dspark_kernels::reference::draw_params(w), (t, u), "draw words round trip");
+            words.extend(w);
+            params.push((t, u));
+        }
+        let x = Tensor::<2>::from_data(burn::tensor::TensorData::new(h.clone(), [rows, width]), &device);
+        let draws = Tensor::<1, burn::tensor::Int>::from_data(
+            burn::tensor::TensorData::new(words.clone(), [3 * rows]),
+            &device,
+        );
+        poison(rows * 8, &device);
+        let got = dspark_kernels::sample_rows(x.clone(), draws.clone())
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap();
+        let want = dspark_kernels::reference::sample_rows(x.clone(), draws)
+            .into_data()
+            .convert::<i64>()
+            .try_to_vec::<i64>()
+            .unwrap();
+        for r in 0..rows {
+            let (t, u) = params[r];
+            let row = &h[r * width..(r + 1) * width];
+            let token = got[r] as usize;
+            assert!(token < width, "row {r}: token {token} of {width}");
+            if t == 0.0 || (rows > 4 && (1..=2).contains(&r)) {
+                assert_eq!(got[r], want[r], "rows {rows} x {width}, row {r}: argmax");
+                continue;
+            }
+            if rows > 4 && r == 3 {
+                assert_eq!(token, width - 2, "the only finite value");
+                continue;
+            }
+            sampled += 1;
+            // The defining property of an inverse-CDF draw, up to f64 rounding of the sums.
+            let (lo, hi) = cdf_around(row, t, token);
+            assert!(
+                lo <= u + 1e-12 && u < hi + 1e-12,
+                "rows {rows} x {width}, row {r} (T {t}, u {u}): token {token} covers [{lo}, {hi})"
+            );
+            if got[r] != want[r] {
+                mismatches += 1;
+                // Only a coin on a boundary between two tokens may land differently.
+                let (wlo, whi) = cdf_around(row, t, want[r] as usize);
+                let edge = (u - wlo).abs().min((u - whi).abs()).min((u - lo).abs()).min((u - hi).abs());
+                assert!(edge < 1e-12, "row {r}: device {token}, host {} (coin {u}, edge {edge})", want[r]);
+            }
+        }
+        // A row's draw does not depend on the other rows of the call.
+        let alone = dspark_kernels::sample_rows(
+            x.narrow(0, rows - 1, 1),
+            Tensor::<1, burn::tensor::Int>::from_data(
+                burn::tensor::TensorData::new(words[3 * (rows - 1)..].to_vec(), [3]),
+                &device,
+            ),
+        )
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap();
+        assert_eq!(alone[0], got[rows - 1], "the last row alone");
+    }
+    println!(
+        "sample_rows: {sampled} sampled rows, {mismatches} differ from the host rule (coins on a boundary)"
+    );
+    assert!(sampled > 100, "too few sampled rows checked: {sampled}");
+}
+
+#[test]
+fn sample_rows_follow_the_softmax() {
+    // 20 000 draws from one 1000-wide row at T = 0.8: the frequencies against float64 softmax.
+    let device = cuda();
+    let (n, width, t) = (20_000usize, 1000usize, 0.8f32);
+    let row = host(random(1, width, 1.5, &device).cast(DType::F32));
+    let mut h = Vec::with_capacity(n * width);
+    let mut words = Vec::with_capacity(3 * n);
+    for i in 0..n {
+        h.extend_from_slice(&row);
+        words.extend(dspark_kernels::reference::draw_words(t, (i as f64 + 0.5) / n as f64));
+    }
+    let x = Tensor::<2>::from_data(burn::tensor::TensorData::new(h, [n, width]), &device);
+    let draws =
+        Tensor::<1, burn::tensor::Int>::from_data(burn::tensor::TensorData::new(words, [3 * n]), &device);
+    let got = dspark_kernels::sample_rows(x, draws).into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+    let mut counts = vec![0usize; width];
+    for &g in &got {
+        counts[g as usize] += 1;
+    }
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let w: Vec<f64> = row.iter().map(|&v| ((f64::from(v) - f64::from(max)) / f64::from(t)).exp()).collect();
+    let total: f64 = w.iter().sum();
+    // Stratified coins: each token's count is within one of n·q.
+    for (i, &c) in counts.iter().enumerate() {
+        let expected = n as f64 * w[i] / total;
+        assert!((c as f64 - expected).abs() <= 1.0 + 1e-9, "token {i}: {c} draws, expected {expected:.3}");
+    }
+}

@@ -958,7 +958,7 @@ const ARGMAX_THREADS: usize = 256;
 
 /// Merge two (value, index) candidates: the larger value, the lower index on equal values.
 #[cube]
-fn better(v: f32, i: u32, v_o: f32, i_o: u32) -> (f32, u32) {
+pub(crate) fn better(v: f32, i: u32, v_o: f32, i_o: u32) -> (f32, u32) {
     let mut out_v = v;
     let mut out_i = i;
     if v_o > v || (v_o == v && i_o < i) {
@@ -975,7 +975,7 @@ const ARGMAX_SEGMENT: usize = ARGMAX_THREADS * ARGMAX_PER_THREAD;
 
 /// Merge the candidates of a warp by butterfly shuffles (every lane ends with the warp's best).
 #[cube]
-fn warp_best(v: f32, i: u32) -> (f32, u32) {
+pub(crate) fn warp_best(v: f32, i: u32) -> (f32, u32) {
     let mut best_v = v;
     let mut best_i = i;
     #[unroll]

@@ -8,3 +8,4 @@ pub(crate) mod copy;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemm_fp8;
+pub(crate) mod sample;
