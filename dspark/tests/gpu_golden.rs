@@ -523,24 +523,41 @@ fn cuda_bf16_qwen3_8b_shapes_recorded_forwards_equal_op_by_op() {
         let opts = TensorCreationOptions::new(device.clone()).with_dtype(burn::tensor::DType::BF16);
         let features = Tensor::<2>::random([64, width], Distribution::Normal(0.0, 1.0), opts);
         let greedy = SamplingParams::greedy(7);
+        let sampled = SamplingParams { temperature: 0.8, seed: 77, ..SamplingParams::default() };
         let propose = |graphs: bool| {
             dspark_kernels::set_graphs_enabled(graphs);
             device.seed(9);
             let mut d = DSparkDraft::random(dspark_draft_8b(&config), TargetBinding::of(&t), &cache).unwrap();
             let s = d.begin();
             let mut out = Vec::new();
+            let mut draws = Vec::new();
             // Each extension size and the round come back: a shape is recorded when seen again.
             for (start, rows) in [(0, 24), (24, 8), (32, 8), (40, 1), (41, 1), (42, 7), (49, 7)] {
                 d.extend_context(s, features.clone().narrow(0, start, rows)).unwrap();
                 let p =
                     d.propose(&[ProposeLane { seq: s, anchor: 5 + start as u32, params: &greedy }]).unwrap();
                 out.push((p[0].tokens.clone(), p[0].confidence.clone()));
+                // A sampled round (drawn on the device, recorded from its second time): the
+                // tokens, each one's q and a digest of every q row.
+                let p =
+                    d.propose(&[ProposeLane { seq: s, anchor: 5 + start as u32, params: &sampled }]).unwrap();
+                let q = p[0].q.clone().expect("a sampled round hands out q");
+                let at: Vec<f64> = p[0].tokens.iter().zip(&q).map(|(&x, row)| row[x as usize]).collect();
+                assert!(at.iter().all(|&v| v > 0.0), "a drawn token outside its q's support: {at:?}");
+                let digest: Vec<f64> =
+                    q.iter().map(|row| row.iter().enumerate().map(|(i, v)| i as f64 * v).sum()).collect();
+                draws.push((p[0].tokens.clone(), at, digest));
             }
-            out
+            (out, draws)
         };
-        let (recorded, op_by_op) = (propose(true), propose(false));
+        let ((recorded, recorded_draws), (op_by_op, op_by_op_draws)) = (propose(true), propose(false));
         println!("qwen3-8b shapes, draft: recorded {recorded:?}");
         assert_eq!(recorded, op_by_op, "recorded draft rounds differ from op-by-op rounds");
+        println!(
+            "qwen3-8b shapes, sampled draft rounds: {:?}",
+            recorded_draws.iter().map(|d| &d.0).collect::<Vec<_>>()
+        );
+        assert_eq!(recorded_draws, op_by_op_draws, "recorded sampled rounds differ from op-by-op rounds");
         drop(t);
     }
 

@@ -776,18 +776,20 @@ impl DSparkDraft {
         result
     }
 
-    /// A greedy round as one replay of the graph recorded for its lane count (recorded now when
-    /// new): the block forward, the LM-head rows and the device Markov steps, with one read of
-    /// the tokens (and the block's hidden rows when a confidence head reads them). `None` where
-    /// it does not apply (sampling lanes, no device pass, no graphs, no room for the scratch
+    /// A round as one replay of the graph recorded for its lane count (recorded now when new):
+    /// the block forward, the LM-head rows and the device Markov steps, with one read of the
+    /// tokens (and the block's hidden rows when a confidence head reads them). When a lane
+    /// samples, the graph is its own shape: the steps draw on the device from coins written
+    /// with the other inputs, and the corrected rows come back too, for the proposals' `q`.
+    /// `None` where it does not apply (no device pass, no graphs, no room for the scratch
     /// rows): the round then runs op by op. Its proposals equal the op-by-op round's bit for bit.
     fn propose_recorded(&mut self, lanes: &[ProposeLane<'_>]) -> Option<Result<Vec<Proposal>>> {
         let prepare = tracing::debug_span!("propose_prepare").entered();
         let gamma = self.config.block_size;
         let (h, n) = (self.config.base.hidden_size, lanes.len() * gamma);
         let table_rows = self.config.base.max_position_embeddings;
+        let sampling = !lanes.iter().all(|l| l.params.is_greedy());
         if n > MAX_GRAPH_ROWS
-            || !lanes.iter().all(|l| l.params.is_greedy())
             || self.device_markov.is_none()
             || !super::graphs::recording(&self.device)
             || !self.paged()
@@ -831,9 +833,16 @@ impl DSparkDraft {
         host.ints.extend(positions);
         host.ints.extend(new_rows);
         host.ints.extend(lanes.iter().map(|l| i64::from(l.anchor)));
+        if sampling {
+            let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
+            host.ints.extend(super::markov_device::draw_words(&params, &contexts, gamma));
+        }
         let with_hidden = self.confidence.is_some();
-        let key =
-            ShapeKey { rows: n, ints: host.ints.len(), detail: vec![lanes.len(), usize::from(with_hidden)] };
+        let key = ShapeKey {
+            rows: n,
+            ints: host.ints.len(),
+            detail: vec![lanes.len(), usize::from(with_hidden), usize::from(sampling)],
+        };
         let pool_rows = self.cache.pools(0).map_or(0, |(k, _)| k.dims()[0]);
         let id = self.cache.graph_id().unwrap_or(0);
         let (cos_t, sin_t) =
@@ -861,35 +870,62 @@ impl DSparkDraft {
             let Some(markov) = markov else {
                 return Err(Error::InvalidInput("the recorded round needs the device Markov pass".into()));
             };
-            let tokens = markov.greedy(inputs.ints(3 * n, lane_count), logits, gamma);
+            let anchors = inputs.ints(3 * n, lane_count);
+            let (tokens, rows) = if sampling {
+                let draws = inputs.ints(3 * n + lane_count, 3 * n);
+                let (tokens, rows) = markov.sampled(anchors, logits, gamma, draws);
+                (tokens, Some(rows))
+            } else {
+                (markov.greedy(anchors, logits, gamma), None)
+            };
             let tokens = tokens.float().cast(DType::F32).reshape([1, n]);
-            Ok(vec![if with_hidden {
+            let first = if with_hidden {
                 Tensor::cat(vec![tokens, to32(hidden).reshape([1, n * h])], 1)
             } else {
                 tokens
-            }])
+            };
+            Ok(std::iter::once(first).chain(rows).collect())
         });
         self.give_back_scratch(lanes, &contexts);
         let readback = tracing::debug_span!("propose_readback").entered();
-        let out = match ran {
-            Ran::Replayed(mut outs) => match outs.pop().map(read_f32) {
-                Some(Ok(out)) => out,
-                Some(Err(e)) => return Some(Err(e)),
-                None => return Some(Err(Error::Backend("a recorded round returned nothing".into()))),
-            },
+        let (out, rows) = match ran {
+            Ran::Replayed(outs) => {
+                let mut outs = outs.into_iter().map(read_f32);
+                let out = match outs.next() {
+                    Some(Ok(out)) => out,
+                    Some(Err(e)) => return Some(Err(e)),
+                    None => return Some(Err(Error::Backend("a recorded round returned nothing".into()))),
+                };
+                match (sampling, outs.next()) {
+                    (false, _) => (out, Vec::new()),
+                    (true, Some(Ok(rows))) => (out, rows),
+                    (true, Some(Err(e))) => return Some(Err(e)),
+                    (true, None) => {
+                        return Some(Err(Error::Backend("a recorded round returned no draft rows".into())));
+                    }
+                }
+            }
             Ran::NotRecorded => return None,
             Ran::Failed(e) => return Some(Err(e)),
         };
         drop(readback);
         let _finish = tracing::debug_span!("propose_finish").entered();
         let (tokens, hidden) = out.split_at(n);
+        let mut q = if sampling {
+            let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
+            super::markov_device::q_rows(&rows, vocab, &params, gamma)
+        } else {
+            Vec::new()
+        }
+        .into_iter();
         let proposals = lanes
             .iter()
             .enumerate()
             .map(|(i, lane)| {
                 let tokens: Vec<u32> = tokens[i * gamma..(i + 1) * gamma].iter().map(|&t| t as u32).collect();
                 let confidence = self.confidences(lane.anchor, &tokens, &hidden[i * gamma * h..]);
-                Proposal { tokens, q: None, confidence }
+                let q = q.next().filter(|_| !lane.params.is_greedy());
+                Proposal { tokens, q, confidence }
             })
             .collect();
         Some(Ok(proposals))

@@ -2,9 +2,12 @@
 //! block for every lane at once, each step a gather of `W1[prev]`, one product with `W2` over
 //! the vocabulary, the add to the base logits and the choice of the token, without leaving the
 //! device when every lane decodes greedily (one read of the γ tokens and confidences at the
-//! end). When a lane samples, each step's corrected logits are read back and the token is drawn
-//! on the host exactly as [`super::dspark_draft::DSparkDraft::markov_pass`] draws it (f64
-//! softmax, the same coin), so the proposal `q` is the distribution actually sampled from.
+//! end). When a lane samples, each step draws its token on the device too
+//! ([`dspark_kernels::sample_rows`]: f64 weights `exp((x − max) / T)`, inverse CDF with the coin
+//! the host pass would use, keyed by seed and position); the corrected rows come back once at the
+//! end and the host makes each proposal `q = softmax(row / T)` in f64 from them. The device's
+//! sums run in another order than the host's, so the distribution it drew from and `q` differ by
+//! f64 rounding (about 1e-16 relative), far below anything a distribution test could see.
 //!
 //! Only this crate's kernels and data movement run here: no reduction or matmul of burn's,
 //! whose autotuning would run throughput probes (a 2 GiB transient allocation on the H200) on
@@ -17,12 +20,12 @@
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
-use super::markov::{MarkovHead, argmax_f64, softmax_t};
+use super::markov::{MarkovHead, softmax_t};
 use crate::device::ComputeDtype;
 use crate::engine::read_f32;
 use crate::error::{Error, Result};
 use crate::model::draft_config::MarkovHeadType;
-use crate::sampling::{SamplingParams, Stream, coin, sample_weights};
+use crate::sampling::{SamplingParams, Stream, coin};
 
 /// Device copies of the Markov and confidence heads.
 #[derive(Debug, Clone)]
@@ -80,7 +83,7 @@ impl DeviceMarkov {
         let greedy = params.iter().all(|p| p.is_greedy());
         let ids =
             |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [lanes]), &self.device);
-        let mut prev = ids(anchors.iter().map(|&a| i64::from(a)).collect());
+        let prev = ids(anchors.iter().map(|&a| i64::from(a)).collect());
         let mut round =
             DeviceRound { tokens: vec![Vec::with_capacity(gamma); lanes], q: vec![Vec::new(); lanes] };
         if greedy {
@@ -91,33 +94,18 @@ impl DeviceMarkov {
             }
             return Ok(round);
         }
-        for k in 0..gamma {
-            let row = self.corrected(&prev, &base, k);
-            // The token, drawn on the host.
-            let host = read_f32(row)?;
-            // Lanes draw independently: over threads when the rows are long (the same draws).
-            let rows: Vec<(usize, &[f32])> = host.chunks(v).enumerate().collect();
-            let drawn = crate::sampling::map_rows(&rows, host.len(), |&(i, logits)| {
-                let logits: Vec<f64> = logits.iter().map(|&x| f64::from(x)).collect();
-                let p = params[i];
-                if p.is_greedy() {
-                    (argmax_f64(&logits), None)
-                } else {
-                    let q = softmax_t(&logits, f64::from(p.temperature));
-                    let u = coin(p.seed, Stream::Draft, positions[i] + k + 1);
-                    (sample_weights(&q, u).unwrap_or_else(|| argmax_f64(&logits)), Some(q))
-                }
-            });
-            let mut next = Vec::with_capacity(lanes);
-            for (i, (token, q)) in drawn.into_iter().enumerate() {
-                if let Some(q) = q {
-                    round.q[i].push(q);
-                }
-                round.tokens[i].push(token);
-                next.push(i64::from(token));
-            }
-            prev = ids(next);
+        // Sampling lanes draw on the device from their coins; one read of the tokens and the
+        // corrected rows at the end, from which the host makes each q.
+        let words = draw_words(params, positions, gamma);
+        let draws = Tensor::<1, Int>::from_data(TensorData::new(words, [3 * lanes * gamma]), &self.device);
+        let (tokens, rows) = self.sampled(prev, base, gamma, draws);
+        let tokens = tokens.into_data().convert::<i64>();
+        let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
+        let rows = read_f32(rows)?;
+        for (i, row) in tokens.chunks(gamma).enumerate() {
+            round.tokens[i] = row.iter().map(|&t| t as u32).collect();
         }
+        round.q = q_rows(&rows, v, params, gamma);
         Ok(round)
     }
 
@@ -137,6 +125,31 @@ impl DeviceMarkov {
         row
     }
 
+    /// The γ steps with draws on the device: `prev` `[lanes]` holds the anchors, `base`
+    /// `[lanes, γ, V]`, `draws` the words of [`draw_words`] (`[γ][lanes][3]`). Returns the tokens
+    /// `[lanes, γ]` and the corrected rows `[lanes·γ, V]` (f32) they were drawn from. A greedy
+    /// lane's words say "argmax": its tokens are those of [`Self::greedy`].
+    pub(crate) fn sampled(
+        &self,
+        mut prev: Tensor<1, Int>,
+        base: Tensor<3>,
+        gamma: usize,
+        draws: Tensor<1, Int>,
+    ) -> (Tensor<2, Int>, Tensor<2>) {
+        let [lanes, _, v] = base.dims();
+        let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
+        let mut rows: Vec<Tensor<2>> = Vec::with_capacity(gamma);
+        for k in 0..gamma {
+            let row = self.corrected(&prev, &base, k);
+            let t =
+                dspark_kernels::sample_rows(row.clone(), draws.clone().narrow(0, 3 * k * lanes, 3 * lanes));
+            chosen.push(t.clone().reshape([lanes, 1]));
+            rows.push(row);
+            prev = t;
+        }
+        (Tensor::cat(chosen, 1), Tensor::stack::<3>(rows, 1).reshape([lanes * gamma, v]))
+    }
+
     /// The γ greedy steps on the device alone (no upload, no read): `prev` `[lanes]` holds the
     /// anchors, `base` `[lanes, γ, V]` (f32 or the draft's dtype); returns the tokens `[lanes, γ]`, each the lowest index
     /// of its step's maximum, as the host pass chooses.
@@ -150,4 +163,43 @@ impl DeviceMarkov {
         }
         Tensor::cat(chosen, 1)
     }
+}
+
+/// The draw words of a round (see [`dspark_kernels::reference::draw_words`]), `[γ][lanes][3]`:
+/// lane `i` at step `k` draws with its temperature (0, the argmax, for a greedy lane) and the
+/// coin keyed by its block's position `positions[i] + k + 1`, the coin the host pass uses.
+pub(crate) fn draw_words(params: &[&SamplingParams], positions: &[usize], gamma: usize) -> Vec<i64> {
+    let mut words = Vec::with_capacity(3 * params.len() * gamma);
+    for k in 0..gamma {
+        for (p, &position) in params.iter().zip(positions) {
+            if p.is_greedy() {
+                words.extend(dspark_kernels::reference::draw_words(0.0, 0.0));
+            } else {
+                let u = coin(p.seed, Stream::Draft, position + k + 1);
+                words.extend(dspark_kernels::reference::draw_words(p.temperature, u));
+            }
+        }
+    }
+    words
+}
+
+/// Each sampling lane's proposal distributions from the corrected rows its tokens were drawn
+/// from (`rows`: `[lanes·γ, V]` f32): `softmax(row / T)` in f64, as the host pass makes them.
+/// The device drew with the same weights and sums in another order; the two differ by f64
+/// rounding only. Greedy lanes get none.
+pub(crate) fn q_rows(rows: &[f32], v: usize, params: &[&SamplingParams], gamma: usize) -> Vec<Vec<Vec<f64>>> {
+    let wanted: Vec<(usize, &[f32])> =
+        rows.chunks(v).enumerate().filter(|(r, _)| !params[r / gamma].is_greedy()).collect();
+    let mut q = crate::sampling::map_rows(&wanted, wanted.len() * v, |&(r, row)| {
+        let logits: Vec<f64> = row.iter().map(|&x| f64::from(x)).collect();
+        (r / gamma, softmax_t(&logits, f64::from(params[r / gamma].temperature)))
+    })
+    .into_iter();
+    let mut out = vec![Vec::new(); params.len()];
+    for (i, p) in params.iter().enumerate() {
+        if !p.is_greedy() {
+            out[i] = q.by_ref().take(gamma).map(|(_, row)| row).collect();
+        }
+    }
+    out
 }
