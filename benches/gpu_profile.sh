@@ -5,7 +5,8 @@
 #          forwards against op by op, batch invariance and the FP8 draft's losslessness at
 #          Qwen3-8B shapes, the trained pair's greedy equality (bf16 and FP8 drafts);
 #   times  bench-draft (7c and 16, bf16 and fp8h, graphs on) with the host time inside each of
-#          the library's spans (`--spans`), and bench-target at 1, 16 and 64 lanes;
+#          the library's spans (`--spans`), and bench-target at 1, 16 and 64 lanes (with
+#          MTILES_AB=1, again at 1 and 16 lanes with one weight block per GEMM cube);
 #   ncu    one phase of bench-draft (7c, graphs on) at a time inside a profiling window under
 #          Nsight Compute: each kernel's device time (`--graph-profiling node`), and each
 #          recorded graph's whole device time (`--graph-profiling graph`: kernels plus the gaps
@@ -45,6 +46,12 @@ times)
     timeout 150 out/bin/bench-target --device cuda --dtype bf16 --lanes 1,16,64 --context ${CONTEXT:-512} --steps 10 \
         > "$OUT/bench_target.md" 2> "$RAW/bench_target.log"
     echo "bench-target exit $?"; cat "$OUT/bench_target.md"
+    if [ -n "${MTILES_AB:-}" ]; then
+        echo "== bench-target, one weight block per GEMM cube (A/B of the two-block choice)"
+        timeout 150 out/bin/bench-target --device cuda --dtype bf16 --lanes 1,16 --context ${CONTEXT:-512} --steps 10 \
+            --mtiles 1 > "$OUT/bench_target-1block.md" 2> "$RAW/bench_target-1block.log"
+        echo "bench-target (1 block) exit $?"; cat "$OUT/bench_target-1block.md"
+    fi
     ;;
 ncu)
     echo "== kernels of one phase (ncu: $NCU)"

@@ -43,6 +43,10 @@ struct Args {
     /// Run dspark's CUDA kernels (`on`) or burn's plain ops for every operation (`off`).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     kernels: String,
+    /// Weight blocks of 16 rows per cube of the bf16 skinny GEMM: `auto` (the library's choice,
+    /// 2 for 9–32 rows of wide weights), or `1` everywhere (for an A/B of that choice).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "1"])]
+    mtiles: String,
     /// Verify-window widths to time at one lane (rows per forward, logits for every row), each
     /// beside the one-row step of the same run; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "8,16")]
@@ -87,6 +91,7 @@ fn copy_bandwidth(device: &Device, dtype: ComputeDtype, bytes: usize) -> f64 {
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
     dspark_kernels::set_kernels_enabled(args.kernels == "on");
+    dspark_kernels::force_mtiles((args.mtiles == "1").then_some(1));
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
     let device = kind.device()?;
@@ -146,7 +151,7 @@ fn main() -> dspark::Result<()> {
             args.device,
             dtype,
             args.shape,
-            args.kernels,
+            kernels_label(&args),
             lanes,
             args.context,
             median * 1e3,
@@ -208,7 +213,7 @@ fn verify_windows(
         args.device,
         args.dtype,
         args.shape,
-        args.kernels,
+        kernels_label(&args),
         args.context,
         one * 1e3
     );
@@ -227,7 +232,7 @@ fn verify_windows(
             args.device,
             args.dtype,
             args.shape,
-            args.kernels,
+            kernels_label(&args),
             args.context,
             t * 1e3,
             t / one
@@ -235,4 +240,10 @@ fn verify_windows(
     }
     cache.free(seq)?;
     Ok(())
+}
+
+/// The kernels column: `on`, `on (1 block)` when the GEMM's blocks per cube are forced to 1, or
+/// `off`.
+fn kernels_label(args: &Args) -> String {
+    if args.kernels == "on" && args.mtiles == "1" { "on (1 block)".into() } else { args.kernels.clone() }
 }

@@ -43,6 +43,44 @@ impl GemmPlan {
     }
 }
 
+impl GemmPlan {
+    /// Blocks of 16 weight rows per cube of the bf16 kernel for `tiles` activation tiles of a
+    /// weight with `out` rows: 2 for 3–4 tiles (17–32 rows) where the weight still gives at
+    /// least one cube per SM of the H200 (132), else 1. Every activation row is fetched once per
+    /// cube from L2; at 24 rows that traffic is 1.5 times the weight's own bytes, and two blocks
+    /// per cube halve it. Measured on the H200 (2026-12-04): at 2 tiles two blocks cost more
+    /// than they save (16-row verify 1.53× the one-row step against 1.30×). Each block's sums
+    /// keep their order (see the kernel), so this may follow the number of rows. Past 4 tiles
+    /// the partial sums would not fit the cube's shared memory.
+    pub fn mtiles(self, tiles: usize, out: usize) -> usize {
+        if let Some(forced) = *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) {
+            return if forced == 2 && (2..=4).contains(&tiles) && out.is_multiple_of(32) { 2 } else { 1 };
+        }
+        if (3..=4).contains(&tiles) && out.is_multiple_of(32) && out / 32 * self.splits >= 132 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// [`Self::unroll`] for a cube of `mtiles` weight blocks: the same weight bytes in flight
+    /// per warp (each chunk is `mtiles` times as many weight words).
+    pub fn unroll_with(self, tiles: usize, mtiles: usize) -> usize {
+        (self.unroll(tiles) / mtiles.max(1)).max(1)
+    }
+}
+
+/// Blocks per cube forced on every bf16 product (1, or 2 where the tiles allow), or `None` for
+/// the choice of [`GemmPlan::mtiles`]. For A/B benchmarks; results do not change (see there).
+static FORCED_MTILES: Mutex<Option<usize>> = Mutex::new(None);
+
+/// Forces the weight blocks per cube of the bf16 skinny GEMM (see [`GemmPlan::mtiles`]); `None`
+/// goes back to the choice per shape. Numerically neutral: for benchmarks.
+#[doc(hidden)]
+pub fn force_mtiles(mtiles: Option<usize>) {
+    *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) = mtiles;
+}
+
 impl std::str::FromStr for GemmPlan {
     type Err = String;
 
@@ -159,6 +197,22 @@ mod tests {
         force_plan(None);
         assert_eq!(fits, p);
         assert_eq!(small, chosen(Weights::Bf16, 16, 4096));
+    }
+
+    #[test]
+    fn two_blocks_per_cube_only_for_two_to_four_tiles_of_wide_weights() {
+        let p = |inp: usize, out: usize| chosen(Weights::Bf16, inp / 32, out);
+        // o (cut in 2), fused qkv, gate+up, LM head: 2 blocks for 17–32 rows.
+        for (inp, out) in [(4096, 4096), (4096, 6144), (4096, 24576), (4096, 151_936), (12288, 4096)] {
+            let plan = p(inp, out);
+            assert_eq!([1, 2, 3, 4, 5, 8].map(|t| plan.mtiles(t, out)), [1, 1, 2, 2, 1, 1], "{inp} -> {out}");
+        }
+        // k/v (1024 rows, cut in 4: 128 cubes of two blocks) and a tiny weight stay at 1.
+        assert_eq!(p(4096, 1024).mtiles(3, 1024), 1);
+        assert_eq!(p(256, 768).mtiles(3, 768), 1);
+        // The same weight bytes in flight.
+        let plan = p(4096, 24576);
+        assert_eq!([plan.unroll_with(2, 2), plan.unroll_with(3, 2), plan.unroll_with(1, 1)], [2, 1, 8]);
     }
 
     #[test]

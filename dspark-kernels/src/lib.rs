@@ -39,7 +39,7 @@ pub fn kernels_enabled() -> bool {
 }
 
 pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm};
-pub use gemm_plan::{GemmPlan, force_plan};
+pub use gemm_plan::{GemmPlan, force_mtiles, force_plan};
 pub use graph::{
     DeviceGraph, GraphError, InputBuffer, graph_emulation, graphs_available, set_graph_emulation,
     set_graphs_enabled, write_floats_into, write_into,

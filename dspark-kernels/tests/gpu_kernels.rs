@@ -118,14 +118,15 @@ fn skinny_gemm_matches_reference_at_lm_head_width() {
 fn skinny_gemm_is_batch_invariant() {
     let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let device = cuda();
-    for &(inp, out) in &[(4096, 1024), (256, 768)] {
+    // 4096 -> 6144 (the fused q/k/v) takes two weight blocks per cube for 9–32 rows.
+    for &(inp, out) in &[(4096, 1024), (256, 768), (4096, 6144)] {
         let w = random(out, inp, 0.02, &device);
         let x = random(130, inp, 1.0, &device);
         let all = dspark_kernels::linear(x.clone(), &w).into_data();
         let all = all.as_bytes();
         let row_bytes = out * 2;
         // A row alone, a verify window, a batch of lanes: bit-identical rows.
-        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (64, 66)] {
+        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (90, 32), (64, 66)] {
             let part = dspark_kernels::linear(x.clone().narrow(0, start, len), &w).into_data();
             assert_eq!(
                 part.as_bytes(),
@@ -659,7 +660,7 @@ fn fp8_gemm_is_batch_invariant() {
         let all = dspark_kernels::linear_fp8(x.clone(), &m).into_data();
         let all = all.as_bytes();
         let row_bytes = out * 2;
-        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (64, 66)] {
+        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (90, 32), (64, 66)] {
             let part = dspark_kernels::linear_fp8(x.clone().narrow(0, start, len), &m).into_data();
             assert_eq!(
                 part.as_bytes(),
@@ -1231,5 +1232,52 @@ fn sample_rows_follow_the_softmax() {
     for (i, &c) in counts.iter().enumerate() {
         let expected = n as f64 * w[i] / total;
         assert!((c as f64 - expected).abs() <= 1.0 + 1e-9, "token {i}: {c} draws, expected {expected:.3}");
+    }
+}
+
+#[test]
+fn skinny_gemm_two_blocks_per_cube_match_one() {
+    // Two 16-row weight blocks per cube (9–32 rows) against one, forced: the same bits, for the
+    // plain product (uncut and cut in 2) and for the SwiGLU epilogue; and against float64.
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    for &(inp, out) in &[(4096usize, 6144usize), (4096, 4096), (12288, 4096)] {
+        let w = random(out, inp, 0.02, &device);
+        for rows in [9usize, 17, 32] {
+            let x = random(rows, inp, 1.0, &device);
+            let run = |mt: usize| {
+                dspark_kernels::force_mtiles(Some(mt));
+                poison(rows * out, &device);
+                let y = host(dspark_kernels::linear(x.clone(), &w));
+                dspark_kernels::force_mtiles(None);
+                y
+            };
+            let (one, two) = (run(1), run(2));
+            assert!(
+                one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{inp}->{out}, {rows} rows"
+            );
+            let want = reference_f64(&host(x.clone()), &host(w.clone()), rows, inp, out);
+            let err = rel_err(&two, &want);
+            println!("two blocks per cube, {inp}->{out}, {rows} rows: bit-equal to one; rel err {err:.2e}");
+            assert!(err < 4e-3, "rel err {err}");
+        }
+    }
+    let (inp, inter) = (4096usize, 12288usize);
+    let paired =
+        dspark_kernels::pair_gate_up(random(inter, inp, 0.02, &device), random(inter, inp, 0.02, &device));
+    for rows in [9usize, 24] {
+        let x = random(rows, inp, 1.0, &device);
+        let run = |mt: usize| {
+            dspark_kernels::force_mtiles(Some(mt));
+            poison(rows * inter, &device);
+            let y = host(dspark_kernels::linear_swiglu(x.clone(), &paired));
+            dspark_kernels::force_mtiles(None);
+            y
+        };
+        let (one, two) = (run(1), run(2));
+        assert!(one.iter().all(|v| v.is_finite()), "SwiGLU output left unwritten");
+        assert!(one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()), "SwiGLU, {rows} rows");
+        println!("two blocks per cube, SwiGLU 4096->2x12288, {rows} rows: bit-equal to one");
     }
 }

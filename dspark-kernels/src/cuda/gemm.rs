@@ -43,10 +43,12 @@ pub(crate) use crate::gemm_plan::{WARPS, Weights, plan};
 /// Most activation rows one launch handles (8 per mma tile); larger calls are split on the host.
 pub(crate) const MAX_ROWS: usize = 64;
 
-/// One cube: 16 weight rows × every activation row of the call (`8 · tiles` slots).
+/// One cube: `16 · mtiles` weight rows × every activation row of the call (`8 · tiles` slots).
 ///
 /// `x`: `[rows, in]`, `w`: `[out, in]`, both contiguous bf16 read as words; `y`: `[rows, out]`.
-/// `in_words = in / 8`; `in` a multiple of 32, `out` a multiple of 16.
+/// `in_words = in / 8`; `in` a multiple of 32, `out` a multiple of `16 · mtiles`. Each weight
+/// block of 16 rows is summed exactly as in a cube of its own (same chunks per warp, same mma
+/// sequence, same warp order): `mtiles` changes only how often an activation row is fetched.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn skinny_gemm_kernel(
@@ -62,6 +64,7 @@ fn skinny_gemm_kernel(
     #[comptime] unroll: usize,
     #[comptime] splits: usize,
     #[comptime] swiglu: bool,
+    #[comptime] mtiles: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -78,34 +81,37 @@ fn skinny_gemm_kernel(
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
-    // Accumulators: tile j holds (weight row g, x row 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t),
-    // (g+8, 8j+2t+1).
-    let mut acc = Array::<Vector<f32, Const<4>>>::new(tiles);
+    // Accumulators: slot m·tiles + j holds, for weight block m of the cube, (weight row g, x row
+    // 8j+2t), (g, 8j+2t+1), (g+8, 8j+2t), (g+8, 8j+2t+1).
+    let mut acc = Array::<Vector<f32, Const<4>>>::new(mtiles * tiles);
     #[unroll]
-    for j in 0..tiles {
+    for j in 0..mtiles * tiles {
         acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
     }
 
-    let w_lo = (block * 16 + g) * in_words + t;
-    let w_hi = w_lo + 8 * in_words;
+    let w_lo = (block * 16 * mtiles + g) * in_words + t;
     let zero = Words::new(0u32);
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
         // 1. Loads: `unroll` chunks of both weight rows and of every activation row.
-        let mut wa = Array::<Words>::new(unroll);
-        let mut wb = Array::<Words>::new(unroll);
+        let mut wa = Array::<Words>::new(unroll * mtiles);
+        let mut wb = Array::<Words>::new(unroll * mtiles);
         let mut xs = Array::<Words>::new(unroll * tiles);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            if local < chunks {
-                wa[u] = w[w_lo + chunk * 4];
-                wb[u] = w[w_hi + chunk * 4];
-            } else {
-                wa[u] = zero;
-                wb[u] = zero;
+            #[unroll]
+            for m in 0..mtiles {
+                let lo = w_lo + m * 16 * in_words;
+                if local < chunks {
+                    wa[u * mtiles + m] = w[lo + chunk * 4];
+                    wb[u * mtiles + m] = w[lo + 8 * in_words + chunk * 4];
+                } else {
+                    wa[u * mtiles + m] = zero;
+                    wb[u * mtiles + m] = zero;
+                }
             }
             #[unroll]
             for j in 0..tiles {
@@ -122,36 +128,40 @@ fn skinny_gemm_kernel(
         for u in 0..unroll {
             #[unroll]
             for s in 0..2usize {
-                let mut a_words = Words::new(0u32);
-                a_words.insert(0usize, wa[u].extract(2 * s));
-                a_words.insert(1usize, wb[u].extract(2 * s));
-                a_words.insert(2usize, wa[u].extract(2 * s + 1));
-                a_words.insert(3usize, wb[u].extract(2 * s + 1));
-                let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
-                a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words);
                 #[unroll]
-                for j in 0..tiles {
-                    let xw = xs[u * tiles + j];
-                    let mut b_words = Vector::<u32, Const<2>>::new(0u32);
-                    b_words.insert(0usize, xw.extract(2 * s));
-                    b_words.insert(1usize, xw.extract(2 * s + 1));
-                    let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
-                    b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
-                    let mut c = Array::<Vector<f32, Const<4>>>::new(1usize);
-                    c[0] = acc[j];
-                    def.execute_inplace(&a, &b, &mut c);
-                    acc[j] = c[0];
+                for m in 0..mtiles {
+                    let mut a_words = Words::new(0u32);
+                    a_words.insert(0usize, wa[u * mtiles + m].extract(2 * s));
+                    a_words.insert(1usize, wb[u * mtiles + m].extract(2 * s));
+                    a_words.insert(2usize, wa[u * mtiles + m].extract(2 * s + 1));
+                    a_words.insert(3usize, wb[u * mtiles + m].extract(2 * s + 1));
+                    let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                    a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words);
+                    #[unroll]
+                    for j in 0..tiles {
+                        let xw = xs[u * tiles + j];
+                        let mut b_words = Vector::<u32, Const<2>>::new(0u32);
+                        b_words.insert(0usize, xw.extract(2 * s));
+                        b_words.insert(1usize, xw.extract(2 * s + 1));
+                        let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
+                        b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
+                        let mut c = Array::<Vector<f32, Const<4>>>::new(1usize);
+                        c[0] = acc[m * tiles + j];
+                        def.execute_inplace(&a, &b, &mut c);
+                        acc[m * tiles + j] = c[0];
+                    }
                 }
             }
         }
     }
 
-    // 3. Partial sums of every warp into shared memory, laid out [warp][tile][x row][weight row].
+    // 3. Partial sums of every warp into shared memory, laid out
+    //    [warp][weight block][tile][x row][weight row].
     let tile_len = 128usize;
-    let mut partial = Shared::<[f32]>::new_slice(warps * tiles * 128);
-    let base = warp * tiles * tile_len;
+    let mut partial = Shared::<[f32]>::new_slice(warps * mtiles * tiles * 128);
+    let base = warp * mtiles * tiles * tile_len;
     #[unroll]
-    for j in 0..tiles {
+    for j in 0..mtiles * tiles {
         let v = acc[j];
         let at = base + j * tile_len;
         partial[at + (2 * t) * 16 + g] = v.extract(0usize);
@@ -166,7 +176,7 @@ fn skinny_gemm_kernel(
     //    one row.
     let threads = warps * 32;
     let id = warp * 32 + lane;
-    let total = tiles * tile_len;
+    let total = mtiles * tiles * tile_len;
     if comptime![swiglu] {
         // 4'. A paired gate/up weight (see `launch_swiglu`): weight rows 0..8 of this cube are
         //     gate rows 8·block.., rows 8..16 the matching up rows. Each thread sums one gate and
@@ -174,15 +184,17 @@ fn skinny_gemm_kernel(
         //     `silu(g)·u` with the roundings of the SwiGLU kernel to column 8·block + wr of a
         //     `[rows, out / 2]` output.
         let half = out / 2;
-        let pairs = tiles * 64;
+        let pairs = mtiles * tiles * 64;
         #[unroll]
         for p in 0..pairs.div_ceil(threads) {
             let e = p * threads + id;
             if e < pairs {
-                let j = e / 64;
+                let q = e / 64;
+                let j = q % tiles;
+                let col = (block * mtiles + q / tiles) * 8;
                 let xr = (e % 64) / 8;
                 let wr = e % 8;
-                let at = j * tile_len + xr * 16 + wr;
+                let at = q * tile_len + xr * 16 + wr;
                 let mut gs = 0.0f32;
                 let mut us = 0.0f32;
                 #[unroll]
@@ -196,7 +208,7 @@ fn skinny_gemm_kernel(
                     let uv = f32::cast_from(bf16::cast_from(us));
                     let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
                     let sg = f32::cast_from(bf16::cast_from(gv * sig));
-                    y[row * half + block * 8 + wr] = bf16::cast_from(sg * uv);
+                    y[row * half + col + wr] = bf16::cast_from(sg * uv);
                 }
             }
         }
@@ -211,14 +223,16 @@ fn skinny_gemm_kernel(
                 for v in 0..warps {
                     sum += partial[v * total + e];
                 }
-                let j = e / tile_len;
+                let q = e / tile_len;
+                let j = q % tiles;
+                let col = (block * mtiles + q / tiles) * 16 + (e % tile_len) % 16;
                 let within = e % tile_len;
                 let row = j * 8 + within / 16;
                 if row < rows {
                     if comptime![splits > 1] {
-                        parts[(split * rows + row) * out + block * 16 + within % 16] = sum;
+                        parts[(split * rows + row) * out + col] = sum;
                     } else {
-                        y[row * out + block * 16 + within % 16] = bf16::cast_from(sum);
+                        y[row * out + col] = bf16::cast_from(sum);
                     }
                 }
             }
@@ -339,6 +353,7 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
         let tiles = n.div_ceil(8);
+        let mt = plan.mtiles(tiles, out);
         // Row `start` of x and of y: byte offsets into the same buffers.
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
@@ -353,7 +368,7 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
         unsafe {
             skinny_gemm_kernel::launch_unchecked(
                 &client,
-                CubeCount::Static((out / 16) as u32, plan.splits as u32, 1),
+                CubeCount::Static((out / 16 / mt) as u32, plan.splits as u32, 1),
                 CubeDim::new_2d(32, WARPS as u32),
                 BufferArg::from_raw_parts(x_handle, n * in_words),
                 BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
@@ -364,9 +379,10 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
                 out as u32,
                 tiles,
                 WARPS,
-                plan.unroll(tiles),
+                plan.unroll_with(tiles, mt),
                 plan.splits,
                 false,
+                mt,
             );
         }
         if let Some(p) = &parts
@@ -415,6 +431,7 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
         let tiles = n.div_ceil(8);
+        let mt = plan.mtiles(tiles, out);
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * half * 2) as u64);
         // SAFETY: as in `launch_product` (no splits: `parts` is never touched, y's buffer stands
@@ -422,7 +439,7 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         unsafe {
             skinny_gemm_kernel::launch_unchecked(
                 &client,
-                CubeCount::Static((out / 16) as u32, 1, 1),
+                CubeCount::Static((out / 16 / mt) as u32, 1, 1),
                 CubeDim::new_2d(32, WARPS as u32),
                 BufferArg::from_raw_parts(x_handle, n * in_words),
                 BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
@@ -433,9 +450,10 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
                 out as u32,
                 tiles,
                 WARPS,
-                plan.unroll(tiles),
+                plan.unroll_with(tiles, mt),
                 1,
                 true,
+                mt,
             );
         }
         start += n;
