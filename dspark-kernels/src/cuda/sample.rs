@@ -195,7 +195,10 @@ fn draw_merge_kernel(
 
     // 2. The segment: thread 0 walks the segments' weights in order.
     if tid == 0 {
+        // Defaults for a row that does not draw (read by every thread below).
+        chosen[0] = 0u32;
         chosen[1] = 0u32;
+        target[0] = 0.0f64;
         if draws_here {
             let mut total = 0.0f64;
             for s in 0..segs {
@@ -246,7 +249,10 @@ fn draw_merge_kernel(
     let sampling = chosen[1] == 1u32;
     let pick = chosen[0] as usize;
     let start = pick * SEGMENT;
-    let seg_max = f64::cast_from(part_v[row * segs + pick]);
+    let mut seg_max = 0.0f64;
+    if sampling {
+        seg_max = f64::cast_from(part_v[row * segs + pick]);
+    }
 
     // 3. Inside the segment: each thread's 16 consecutive values, then warps, then threads.
     let mut c = 0.0f64;
