@@ -213,7 +213,7 @@ fn verify_windows(
         args.device,
         args.dtype,
         args.shape,
-        kernels_label(&args),
+        kernels_label(args),
         args.context,
         one * 1e3
     );
@@ -232,7 +232,7 @@ fn verify_windows(
             args.device,
             args.dtype,
             args.shape,
-            kernels_label(&args),
+            kernels_label(args),
             args.context,
             t * 1e3,
             t / one
