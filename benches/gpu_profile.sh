@@ -17,7 +17,8 @@
 # bench-draft and bench-target for `times` and `ncu`.
 #   memory the team workload's peak device memory, speculative (FP8 draft) vs target-only
 #          (bench-workload, needs out/prompts).
-#   gate   the workload benchmark's full gate (solo, team, busy) with the FP8 draft (needs
+#   gate   the workload benchmark's full gate (solo, team, busy) with the FP8 draft (SAMPLE_SEEDS=N adds
+#          N sampled replies per prompt for SAMPLE_PROMPTS prompts; needs
 #          out/prompts).
 #   record the one-lane γ=7 round's recording, in several processes (PROCESSES, default 3).
 # Usage: benches/gpu_profile.sh tests|times|ncu|memory|record|gate ...
@@ -87,7 +88,7 @@ gate)
     echo "== workload gate: solo, team, busy"
     timeout ${GATE_TIMEOUT:-420} out/bin/bench-workload --device cuda --dtype bf16 --shape qwen3-8b --draft-fp8 \
         --prompts out/prompts --prompts-per-file 1 --max-new-tokens ${GATE_TOKENS:-48} --workloads solo,team,busy --solo-requests 2 \
-        --team-lanes 8 --busy-lanes 16 --sample-seeds 0 --gate-texts 1 --gate-text-tokens 32 \
+        --team-lanes 8 --busy-lanes 16 --sample-seeds ${SAMPLE_SEEDS:-0} --sample-prompts ${SAMPLE_PROMPTS:-4} --gate-texts 1 --gate-text-tokens 32 \
         --out-md "$OUT/workload-gate.md" --out-json "$RAW/workload-gate.json" > "$RAW/workload-gate.log" 2>&1
     echo "workload exit $?"; grep -E "^\| (solo|team|busy) |peak memory|Gate" "$OUT/workload-gate.md" | cut -c1-400 | head -20
     ;;
