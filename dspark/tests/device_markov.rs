@@ -113,3 +113,45 @@ fn device_markov_proposals_match_the_host_pass() {
         }
     }
 }
+
+#[test]
+fn a_mixed_batch_draws_each_lane_as_alone() {
+    // A greedy and a sampling lane in one proposal (the device pass draws both in one launch per
+    // step, the greedy one by its argmax words): each lane's tokens are those it gets alone and
+    // those of the host pass, and only the sampling lane has a q.
+    use dspark::{KvCache, LogitRows, PagedKvCache, ProposeLane, SeqChunk, Speculator};
+    let t = target();
+    let mut d = draft(&t);
+    let prompt = heldout_prompts(1).remove(0);
+    let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
+    let seq = cache.allocate();
+    let layers = d.feature_layers().to_vec();
+    let out = t
+        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
+        .unwrap();
+    let features = out.features.unwrap();
+    let (a, b) = (d.begin(), d.begin());
+    d.extend_context(a, features.clone()).unwrap();
+    d.extend_context(b, features).unwrap();
+    let greedy = SamplingParams::greedy(8);
+    let sampled = SamplingParams { temperature: 1.1, seed: 21, ..SamplingParams::greedy(8) };
+    let anchor = *prompt.last().unwrap();
+    let both =
+        [ProposeLane { seq: a, anchor, params: &greedy }, ProposeLane { seq: b, anchor, params: &sampled }];
+    d.set_device_markov(true);
+    let together = d.propose(&both).unwrap();
+    let alone: Vec<_> = both.iter().map(|l| d.propose(std::slice::from_ref(l)).unwrap().remove(0)).collect();
+    d.set_device_markov(false);
+    let host = d.propose(&both).unwrap();
+    for (i, ((x, y), z)) in together.iter().zip(&alone).zip(&host).enumerate() {
+        assert_eq!(x.tokens, y.tokens, "lane {i}: batched and alone differ");
+        assert_eq!(x.tokens, z.tokens, "lane {i}: device and host passes differ");
+        assert_eq!(x.q.is_some(), i == 1, "lane {i}: q only for the sampling lane");
+    }
+    let (q, q_host) = (together[1].q.as_ref().unwrap(), host[1].q.as_ref().unwrap());
+    let dq = q.iter().flatten().zip(q_host.iter().flatten()).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(dq < 1e-6, "q differs from the host pass's by {dq}");
+    for (k, (&x, row)) in together[1].tokens.iter().zip(q).enumerate() {
+        assert!(row[x as usize] > 0.0, "step {k}: token {x} drawn outside q's support");
+    }
+}
