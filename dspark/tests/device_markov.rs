@@ -32,6 +32,27 @@ fn engine(device_markov: bool) -> Engine {
     Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap()
 }
 
+/// The draft with `n` sequences whose context is the first held-out prompt's target features,
+/// and the prompt's last token (the anchor of a first proposal).
+fn draft_after_prompt(n: usize) -> (DSparkDraft, Vec<dspark::SeqId>, u32) {
+    use dspark::{KvCache, LogitRows, PagedKvCache, SeqChunk, Speculator};
+    let t = target();
+    let mut d = draft(&t);
+    let prompt = heldout_prompts(1).remove(0);
+    let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
+    let seq = cache.allocate();
+    let layers = d.feature_layers().to_vec();
+    let out = t
+        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
+        .unwrap();
+    let features = out.features.unwrap();
+    let seqs: Vec<_> = (0..n).map(|_| d.begin()).collect();
+    for &s in &seqs {
+        d.extend_context(s, features.clone()).unwrap();
+    }
+    (d, seqs, *prompt.last().unwrap())
+}
+
 fn tau(out: &[dspark::Generation]) -> f64 {
     let generated: usize = out.iter().map(|g| g.tokens.len() - 1).sum();
     let rounds: usize = out.iter().map(|g| g.stats.rounds).sum();
@@ -75,21 +96,11 @@ fn device_markov_pass_is_lossless_and_agrees_with_the_host_pass() {
 
 #[test]
 fn device_markov_proposals_match_the_host_pass() {
-    use dspark::{KvCache, LogitRows, PagedKvCache, ProposeLane, SeqChunk, Speculator};
-    let t = target();
-    let mut d = draft(&t);
-    let prompt = heldout_prompts(1).remove(0);
-    let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
-    let seq = cache.allocate();
-    let layers = d.feature_layers().to_vec();
-    let out = t
-        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
-        .unwrap();
-    let dseq = d.begin();
-    d.extend_context(dseq, out.features.unwrap()).unwrap();
+    use dspark::{ProposeLane, Speculator};
+    let (mut d, seqs, anchor) = draft_after_prompt(1);
+    let dseq = seqs[0];
     let greedy = SamplingParams::greedy(8);
     let sampled = SamplingParams { temperature: 0.8, seed: 3, ..SamplingParams::greedy(8) };
-    let anchor = *prompt.last().unwrap();
     for params in [&greedy, &sampled] {
         let lane = [ProposeLane { seq: dseq, anchor, params }];
         d.set_device_markov(true);
@@ -119,23 +130,11 @@ fn a_mixed_batch_draws_each_lane_as_alone() {
     // A greedy and a sampling lane in one proposal (the device pass draws both in one launch per
     // step, the greedy one by its argmax words): each lane's tokens are those it gets alone and
     // those of the host pass, and only the sampling lane has a q.
-    use dspark::{KvCache, LogitRows, PagedKvCache, ProposeLane, SeqChunk, Speculator};
-    let t = target();
-    let mut d = draft(&t);
-    let prompt = heldout_prompts(1).remove(0);
-    let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
-    let seq = cache.allocate();
-    let layers = d.feature_layers().to_vec();
-    let out = t
-        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
-        .unwrap();
-    let features = out.features.unwrap();
-    let (a, b) = (d.begin(), d.begin());
-    d.extend_context(a, features.clone()).unwrap();
-    d.extend_context(b, features).unwrap();
+    use dspark::{ProposeLane, Speculator};
+    let (mut d, seqs, anchor) = draft_after_prompt(2);
+    let (a, b) = (seqs[0], seqs[1]);
     let greedy = SamplingParams::greedy(8);
     let sampled = SamplingParams { temperature: 1.1, seed: 21, ..SamplingParams::greedy(8) };
-    let anchor = *prompt.last().unwrap();
     let both =
         [ProposeLane { seq: a, anchor, params: &greedy }, ProposeLane { seq: b, anchor, params: &sampled }];
     d.set_device_markov(true);
