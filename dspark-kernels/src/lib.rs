@@ -5,6 +5,7 @@
 //! Model code calls only the functions of this crate for these steps, so a kernel can be swapped
 //! in without touching the models.
 
+pub mod accept;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod fp8;
@@ -339,6 +340,43 @@ pub fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int> {
         return cuda::sample::sample_rows(x, draws);
     }
     reference::sample_rows(x, draws)
+}
+
+/// Chain rejection sampling of several lanes' draft blocks against the target, on the device:
+/// for each lane `(accepted, token)`, where `token` is the draw from the residual at the first
+/// rejection, or the bonus from the row after the last draft. The rule, including top-k and top-p
+/// on the target's rows (no sort), is that of [`accept`]; `rows` and `lanes` are the words
+/// [`accept::accept_words`] makes. Only the `2·lanes` results need to leave the device.
+///
+/// On CUDA for f32 rows it is two launches (one cube per row reducing it to its distribution's
+/// constants; one cube per lane testing the drafts and drawing); every sum has a fixed order.
+/// Elsewhere the host body [`accept::chain_accept`] reads everything back. The two differ by
+/// f64 rounding only.
+///
+/// # Shapes
+/// `p`: `[p_rows, width]`, `q`: `[q_rows, width]`, `rows`: `[3·(p_rows + q_rows)]`, `lanes`:
+/// `[lanes, stride]` → `[lanes, 2]`.
+///
+/// # Panics
+/// If the shapes disagree (the words' contents are trusted: build them with
+/// [`accept::accept_words`]).
+pub fn chain_accept(
+    p: Tensor<2>,
+    q: Tensor<2>,
+    rows: Tensor<1, Int>,
+    lanes: Tensor<2, Int>,
+) -> Tensor<2, Int> {
+    let [p_rows, width] = p.dims();
+    let [q_rows, q_width] = q.dims();
+    assert_eq!(rows.dims()[0], 3 * (p_rows + q_rows), "chain_accept: row words");
+    assert!(q_rows == 0 || q_width == width, "chain_accept: p is {width} wide, q {q_width}");
+    assert!(lanes.dims()[1] >= accept::lane_stride(0), "chain_accept: lane words");
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::accept::takes(&p, &q, lanes.dims()[0]) {
+        return cuda::accept::chain_accept(p, q, rows, lanes);
+    }
+    let _ = rows;
+    accept::chain_accept(p, q, lanes)
 }
 
 /// Whether this crate's CUDA kernels can run on `device` (a CUDA build, a CUDA device, kernels

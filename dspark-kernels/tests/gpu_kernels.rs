@@ -1281,3 +1281,207 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
         println!("two blocks per cube, SwiGLU 4096->2x12288, {rows} rows: bit-equal to one");
     }
 }
+
+/// A uniform stream in `[0, 1)` from a seed.
+fn uniforms(seed: u64) -> impl FnMut() -> f64 {
+    let mut state = seed;
+    move || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Inverse-CDF draw from a distribution (first index whose running sum exceeds `u`).
+fn draw_from(dist: &[f64], u: f64) -> u32 {
+    let mut running = 0.0;
+    let mut last = 0;
+    for (i, &p) in dist.iter().enumerate() {
+        if p > 0.0 {
+            last = i;
+        }
+        running += p;
+        if running > u && p > 0.0 {
+            return i as u32;
+        }
+    }
+    last as u32
+}
+
+/// Run [`dspark_kernels::chain_accept`] on device rows and lanes; `(accepted, token)` per lane.
+fn chain_accept_on(
+    p: &[f32],
+    q: &[f32],
+    width: usize,
+    lanes: &[dspark_kernels::accept::AcceptLane],
+    gamma: usize,
+    device: &Device,
+) -> Vec<(usize, u32)> {
+    use burn::tensor::{Int, TensorData};
+    let (p_rows, q_rows) = (p.len() / width, q.len() / width);
+    let (rows, words) = dspark_kernels::accept::accept_words(lanes, p_rows, q_rows, gamma);
+    let stride = dspark_kernels::accept::lane_stride(gamma);
+    let pt = Tensor::<2>::from_data(TensorData::new(p.to_vec(), [p_rows, width]), device);
+    let qt = Tensor::<2>::from_data(TensorData::new(q.to_vec(), [q_rows, width]), device);
+    let rt = Tensor::<1, Int>::from_data(TensorData::new(rows, [3 * (p_rows + q_rows)]), device);
+    let wt = Tensor::<2, Int>::from_data(TensorData::new(words, [lanes.len(), stride]), device);
+    poison(2 * lanes.len(), device);
+    let out = dspark_kernels::chain_accept(pt, qt, rt, wt)
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap();
+    out.chunks(2).map(|c| (c[0] as usize, c[1] as u32)).collect()
+}
+
+#[test]
+fn chain_accept_matches_reference() {
+    use dspark_kernels::accept::{AcceptLane, accept_lane, row_distribution};
+    let device = cuda();
+    let mut next = uniforms(0x00AC_CE97);
+    let gamma = 7;
+    let settings = [
+        (1.0f32, 0usize, 1.0f32),
+        (0.7, 0, 1.0),
+        (1.0, 20, 1.0),
+        (1.0, 1, 1.0),
+        (0.9, 0, 0.9),
+        (1.2, 0, 0.5),
+        (0.8, 50, 0.95),
+        (1.0, 1000, 0.8),
+    ];
+    let (mut lanes_checked, mut accepted_total, mut rejections) = (0usize, 0usize, 0usize);
+    for &(width, lanes_n, coarse) in &[(151_936usize, 8usize, false), (1000, 24, true), (4097, 16, false)] {
+        let mut p = Vec::new();
+        let mut q = Vec::new();
+        let mut lanes = Vec::new();
+        for l in 0..lanes_n {
+            let (t, top_k, top_p) = settings[l % settings.len()];
+            let m = (l * 3) % (gamma + 1);
+            let p_row = p.len() / width;
+            let q_row = q.len() / width;
+            // Target rows N(0, 2.5²) (on a grid of 0.5 for the coarse case: ties), proposal rows
+            // the target's, perturbed.
+            for _ in 0..=m {
+                for _ in 0..width {
+                    let g = (-2.0 * next().max(1e-300).ln()).sqrt() * (std::f64::consts::TAU * next()).cos();
+                    let v = (2.5 * g) as f32;
+                    p.push(if coarse { (v * 2.0).round() / 2.0 } else { v });
+                }
+            }
+            for r in 0..m {
+                for i in 0..width {
+                    q.push(p[(p_row + r) * width + i] + ((next() - 0.5) * 0.8) as f32);
+                }
+            }
+            if l == 3 {
+                // A NaN in the target's first row and −∞ in the proposal's.
+                p[p_row * width + 5] = f32::NAN;
+                if m > 0 {
+                    q[q_row * width + 6] = f32::NEG_INFINITY;
+                }
+            }
+            let drafts: Vec<u32> = (0..m)
+                .map(|r| {
+                    let row = &q[(q_row + r) * width..(q_row + r + 1) * width];
+                    draw_from(&row_distribution(row, t, 0, 1.0), next())
+                })
+                .collect();
+            lanes.push(AcceptLane {
+                p_row,
+                q_row,
+                drafts,
+                temperature: t,
+                top_k,
+                top_p,
+                accept_coins: (0..m).map(|_| next()).collect(),
+                draw_coins: (0..=m).map(|_| next()).collect(),
+            });
+        }
+        if lanes_n > 10 {
+            // A lane whose target row is one-hot (+∞), with no drafts.
+            let p_row = p.len() / width;
+            let mut row: Vec<f32> = (0..width).map(|i| (i % 7) as f32).collect();
+            row[width / 2] = f32::INFINITY;
+            p.extend(row);
+            lanes.push(AcceptLane {
+                p_row,
+                q_row: 0,
+                drafts: vec![],
+                temperature: 1.0,
+                top_k: 0,
+                top_p: 0.9,
+                accept_coins: vec![],
+                draw_coins: vec![next()],
+            });
+        }
+        let got = chain_accept_on(&p, &q, width, &lanes, gamma, &device);
+        for (l, lane) in lanes.iter().enumerate() {
+            let want = accept_lane(&p, &q, width, lane);
+            assert_eq!(got[l], want, "width {width}, lane {l} ({lane:?})");
+            assert!(got[l].0 <= lane.drafts.len() && (got[l].1 as usize) < width);
+            accepted_total += got[l].0;
+            rejections += usize::from(got[l].0 < lane.drafts.len());
+        }
+        if lanes_n > 10 {
+            assert_eq!(got[lanes.len() - 1], (0, (width / 2) as u32), "a one-hot row draws its +∞");
+        }
+        // A lane alone decides as in the batch.
+        let alone = chain_accept_on(&p, &q, width, &lanes[1..2], gamma, &device);
+        assert_eq!(alone[0], got[1], "width {width}: lane 1 alone");
+        lanes_checked += lanes.len();
+    }
+    println!(
+        "chain_accept: {lanes_checked} lanes equal to the reference; {accepted_total} drafts accepted, {rejections} rejections"
+    );
+    assert!(accepted_total > 20 && rejections > 10, "both outcomes exercised");
+}
+
+#[test]
+fn chain_accept_follows_the_target() {
+    // 20 000 lanes verify one draft each, drawn from q, against one target row with top-k and
+    // top-p: the committed token's frequencies against the target's distribution.
+    use dspark_kernels::accept::{AcceptLane, row_distribution};
+    let device = cuda();
+    let mut next = uniforms(0xD157);
+    let (n, width, t, top_k, top_p) = (20_000usize, 1000usize, 0.8f32, 60usize, 0.9f32);
+    let p: Vec<f32> = host(random(2, width, 1.5, &device).cast(DType::F32));
+    let q: Vec<f32> = p[..width].iter().map(|&v| v + ((next() - 0.5) * 2.0) as f32).collect();
+    let qd = row_distribution(&q, t, 0, 1.0);
+    let pd = row_distribution(&p[..width], t, top_k, top_p);
+    let lanes: Vec<AcceptLane> = (0..n)
+        .map(|_| AcceptLane {
+            p_row: 0,
+            q_row: 0,
+            drafts: vec![draw_from(&qd, next())],
+            temperature: t,
+            top_k,
+            top_p,
+            accept_coins: vec![next()],
+            draw_coins: vec![next(), next()],
+        })
+        .collect();
+    let got = chain_accept_on(&p, &q, width, &lanes, 1, &device);
+    let mut counts = vec![0usize; width];
+    for (l, &(c, token)) in got.iter().enumerate() {
+        let first = if c == 1 { lanes[l].drafts[0] } else { token };
+        counts[first as usize] += 1;
+    }
+    let kept = pd.iter().filter(|&&x| x > 0.0).count();
+    assert!(kept > 5 && kept <= top_k, "{kept} tokens kept");
+    let mut chi2 = 0.0;
+    for (i, &c) in counts.iter().enumerate() {
+        let expected = n as f64 * pd[i];
+        if pd[i] == 0.0 {
+            assert_eq!(c, 0, "token {i} is outside top-k/top-p but was committed {c} times");
+            continue;
+        }
+        chi2 += (c as f64 - expected).powi(2) / expected;
+    }
+    // χ² with kept − 1 degrees of freedom: mean kept − 1, sd √(2(kept − 1)); 6 sd is far out.
+    let df = (kept - 1) as f64;
+    println!("chain_accept: χ² {chi2:.1} on {df} df over {kept} kept tokens");
+    assert!(chi2 < df + 6.0 * (2.0 * df).sqrt(), "χ² {chi2} on {df} df");
+}

@@ -633,4 +633,87 @@ mod tests {
         bad(chain_verify(&[], &[&[]], &[], &[], &[0.5], None));
         bad(chain_verify_seeded(&[1], &[&h, &h], &[&h], 0, usize::MAX, None));
     }
+
+    /// Rows for the device rule's cross-check: smooth ones, and ones on a coarse grid (ties).
+    fn test_rows(seed: u64, rows: usize, width: usize, coarse: bool) -> Vec<f32> {
+        (0..rows * width)
+            .map(|i| {
+                let u = coin(seed, Stream::Draft, i);
+                let x = (u * 8.0 - 4.0) as f32;
+                if coarse { (x * 2.0).round() / 2.0 } else { x }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_device_rule_decides_as_the_host_chain() {
+        use dspark_kernels::accept::{AcceptLane, accept_lane, row_distribution};
+        let width = 300;
+        let (mut cases, mut rejected, mut passed) = (0, 0, 0);
+        for (case, (t, top_k, top_p)) in [
+            (1.0f32, 0usize, 1.0f32),
+            (0.7, 0, 1.0),
+            (1.3, 40, 1.0),
+            (1.0, 5, 1.0),
+            (1.0, 0, 0.9),
+            (0.8, 0, 0.5),
+            (1.0, 50, 0.8),
+            (2.0, 3, 0.95),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            for (trial, coarse) in [false, true, false, true].into_iter().enumerate() {
+                let seed = (case * 16 + trial) as u64;
+                let m = 1 + (case + trial) % 5;
+                let p_rows = test_rows(seed, m + 1, width, coarse);
+                // The proposal is the target's rows, perturbed: most drafts pass, some do not.
+                let noise = test_rows(seed + 1000, m, width, false);
+                let q_rows: Vec<f32> =
+                    p_rows[..m * width].iter().zip(&noise).map(|(a, b)| a + b / 6.0).collect();
+                let params =
+                    SamplingParams { temperature: t, top_k, top_p, seed, ..SamplingParams::default() };
+                let q_params = SamplingParams { temperature: t, ..SamplingParams::default() };
+                let row = |x: &[f32], r: usize| x[r * width..(r + 1) * width].to_vec();
+                let p: Vec<Vec<f64>> = (0..=m).map(|r| target_probs(&row(&p_rows, r), &params)).collect();
+                let q: Vec<Vec<f64>> = (0..m).map(|r| target_probs(&row(&q_rows, r), &q_params)).collect();
+                // The device's distributions are the host's, up to rounding.
+                for (r, host_row) in p.iter().enumerate() {
+                    let d = row_distribution(&row(&p_rows, r), t, top_k, top_p);
+                    for (a, b) in d.iter().zip(host_row) {
+                        assert!((a > &0.0) == (b > &0.0) && (a - b).abs() < 1e-12, "case {case}: {a} vs {b}");
+                    }
+                }
+                // Drafts drawn from q, so that some are accepted and some not.
+                let drafts: Vec<u32> = (0..m)
+                    .map(|r| {
+                        crate::sampling::sample_weights(&q[r], coin(seed, Stream::Draft, 10_000 + r)).unwrap()
+                    })
+                    .collect();
+                let position = 17 + trial;
+                let host =
+                    chain_verify_seeded(&drafts, &slices(&p), &slices(&q), seed, position, None).unwrap();
+                let lane = AcceptLane {
+                    p_row: 0,
+                    q_row: 0,
+                    drafts: drafts.clone(),
+                    temperature: t,
+                    top_k,
+                    top_p,
+                    accept_coins: (0..m).map(|s| coin(seed, Stream::Accept, position + s)).collect(),
+                    draw_coins: (0..=m).map(|c| coin(seed, Stream::TargetSample, position + c)).collect(),
+                };
+                let (accepted, token) = accept_lane(&p_rows, &q_rows, width, &lane);
+                assert_eq!((accepted, token), (host.accepted, host.bonus), "case {case} trial {trial}");
+                cases += 1;
+                rejected += usize::from(accepted < m);
+                passed += accepted;
+            }
+        }
+        // Both outcomes were exercised.
+        assert!(
+            rejected > 3 && rejected < cases && passed > 10,
+            "{rejected} of {cases} rejected, {passed} passed"
+        );
+    }
 }

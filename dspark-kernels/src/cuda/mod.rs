@@ -3,6 +3,7 @@
 //! Each one has a plain-burn body in [`crate::reference`]; the `*_matches_reference` tests in
 //! `tests/gpu_kernels.rs` (GPU machine only) compare them on fresh random inputs.
 
+pub(crate) mod accept;
 pub(crate) mod attention;
 pub(crate) mod copy;
 pub(crate) mod fused;

@@ -46,7 +46,7 @@ fn coin(draws: &[i32], row: usize) -> f64 {
 /// Sum over a warp in a fixed butterfly order; every lane ends with the same bits (each level
 /// adds the same two values, in either order).
 #[cube]
-fn warp_sum(v: f64) -> f64 {
+pub(crate) fn warp_sum(v: f64) -> f64 {
     let mut s = v;
     #[unroll]
     for level in 0..5u32 {
