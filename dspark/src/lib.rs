@@ -55,4 +55,4 @@ pub fn set_graphs_enabled(enabled: bool) {
 pub fn graphs_enabled() -> bool {
     dspark_kernels::graph::graphs_enabled()
 }
-pub use speculator::{Proposal, ProposeLane, Speculator};
+pub use speculator::{DeviceQ, Proposal, ProposeLane, Speculator};

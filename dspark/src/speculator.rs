@@ -26,6 +26,19 @@ pub struct Proposal {
     pub q: Option<Vec<Vec<f64>>>,
     /// Per-position acceptance estimates in `[0, 1]`, when the draft has a confidence head.
     pub confidence: Option<Vec<f32>>,
+    /// When sampling, in place of `q` (see [`Speculator::set_q_on_device`]): the device rows
+    /// each token was drawn from, as `softmax(row / T)` over the whole vocabulary.
+    pub q_rows: Option<DeviceQ>,
+}
+
+/// A lane's proposal rows left on the device: token `k` was drawn from
+/// `softmax(rows[first + k] / T)` (f32 `[·, V]` rows, usually shared by every lane of a round).
+#[derive(Debug, Clone)]
+pub struct DeviceQ {
+    /// The rows of the round.
+    pub rows: Tensor<2>,
+    /// The lane's first row.
+    pub first: usize,
 }
 
 /// A draft model that proposes blocks of tokens from the target's hidden features.
@@ -67,6 +80,15 @@ pub trait Speculator {
             self.extend_context(*seq, features.clone())?;
         }
         Ok(())
+    }
+
+    /// Hand sampling proposals' distributions out as device rows ([`Proposal::q_rows`], with
+    /// `q` left `None`) instead of host rows, where the draft samples on the device: the engine
+    /// asks for it when it can verify there (`dspark_kernels::chain_accept`), which saves
+    /// reading γ vocabulary rows back per lane and making them on the host. Off by default; a
+    /// draft that cannot keeps host rows.
+    fn set_q_on_device(&mut self, on: bool) {
+        let _ = on;
     }
 
     /// Propose γ tokens for every lane, in one batched pass.

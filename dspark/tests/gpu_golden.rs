@@ -580,3 +580,106 @@ fn cuda_bf16_qwen3_8b_shapes_recorded_forwards_equal_op_by_op() {
         assert_eq!(f.stats.rounds, s.stats.rounds, "lane {i}: recorded proposals differ from op by op");
     }
 }
+
+/// A draft that keeps its proposals' `q` on the host whatever the engine asks: the engine then
+/// verifies sampled lanes on the host (`target_probs` + `chain_verify`).
+struct HostQ(DSparkDraft);
+
+impl dspark::Speculator for HostQ {
+    fn block_size(&self) -> usize {
+        self.0.block_size()
+    }
+    fn feature_layers(&self) -> &[usize] {
+        self.0.feature_layers()
+    }
+    fn has_confidence(&self) -> bool {
+        self.0.has_confidence()
+    }
+    fn begin(&mut self) -> dspark::SeqId {
+        self.0.begin()
+    }
+    fn context_len(&self, seq: dspark::SeqId) -> dspark::Result<usize> {
+        self.0.context_len(seq)
+    }
+    fn extend_context(
+        &mut self,
+        seq: dspark::SeqId,
+        features: burn::tensor::Tensor<2>,
+    ) -> dspark::Result<()> {
+        self.0.extend_context(seq, features)
+    }
+    fn extend_contexts(&mut self, items: &[(dspark::SeqId, burn::tensor::Tensor<2>)]) -> dspark::Result<()> {
+        self.0.extend_contexts(items)
+    }
+    fn propose(&mut self, lanes: &[dspark::ProposeLane<'_>]) -> dspark::Result<Vec<dspark::Proposal>> {
+        self.0.propose(lanes)
+    }
+    fn context_pool(&self) -> Option<dspark::PoolState> {
+        self.0.context_pool()
+    }
+    fn end(&mut self, seq: dspark::SeqId) -> dspark::Result<()> {
+        self.0.end(seq)
+    }
+}
+
+#[test]
+fn cuda_bf16_trained_pair_sampled_device_acceptance_equals_the_host_chain() {
+    // Sampled speculative decoding of the trained pair with top-k and top-p: verified on the
+    // device (`chain_accept`, the proposal rows left there) and on the host (the same draft
+    // handing out host q), with the same seeds. The two rules differ by f64 rounding only, so
+    // every reply is the same token for token; lanes run together and alone.
+    let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
+    let target = || Qwen3::load(&models().join("tiny-code-qwen3"), opts()).unwrap();
+    let draft = |t: &Qwen3| {
+        DSparkDraft::load(&models().join("tiny-code-dspark"), t, opts(), &DraftCacheConfig::default())
+            .unwrap()
+    };
+    let t = target();
+    let d = draft(&t);
+    let mut on_device = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+    let t = target();
+    let d = HostQ(draft(&t));
+    let mut on_host = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(models().join("report.json")).unwrap()).unwrap();
+    let cases = report["draft"]["eval"]["rust_crosscheck_T0"].as_array().unwrap().clone();
+    let settings = [(1.0f32, 0usize, 1.0f32), (0.8, 20, 0.9), (0.6, 0, 0.8), (1.2, 5, 1.0)];
+    let requests: Vec<Request> = (0..8)
+        .map(|i| {
+            let (temperature, top_k, top_p) = settings[i % settings.len()];
+            Request {
+                prompt: serde_json::from_value(cases[i % 4]["prompt_ids"].clone()).unwrap(),
+                params: SamplingParams {
+                    temperature,
+                    top_k,
+                    top_p,
+                    seed: 100 + i as u64,
+                    ..SamplingParams::greedy(48)
+                },
+            }
+        })
+        .collect();
+    let together = on_device.generate(&requests).unwrap();
+    let host = on_host.generate(&requests).unwrap();
+    let (mut accepted, mut rounds, mut rejected) = (0usize, 0usize, 0usize);
+    for (i, (a, b)) in together.iter().zip(&host).enumerate() {
+        let first = a.tokens.iter().zip(&b.tokens).position(|(x, y)| x != y);
+        println!(
+            "cuda bf16 trained pair sampled, request {i} ({:?}): first divergence device vs host {first:?}, {} rounds",
+            settings[i % settings.len()],
+            a.stats.round_log.len()
+        );
+        assert_eq!(a.tokens, b.tokens, "request {i}: device and host acceptance differ");
+        accepted += a.stats.round_log.iter().map(|r| r.accepted).sum::<usize>();
+        rejected += a.stats.round_log.iter().filter(|r| r.accepted < r.drafted.len()).count();
+        rounds += a.stats.round_log.len();
+    }
+    // One request alone decides as in the batch.
+    let alone = on_device.generate(&requests[1..2]).unwrap().remove(0);
+    assert_eq!(alone.tokens, together[1].tokens, "request 1 alone");
+    println!(
+        "cuda bf16 trained pair sampled: tau {:.3}, {rejected} of {rounds} rounds ended in a rejection",
+        (accepted + rounds) as f64 / rounds as f64
+    );
+    assert!(accepted > 20 && rejected > 20, "both outcomes exercised");
+}

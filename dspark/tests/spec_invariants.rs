@@ -148,7 +148,12 @@ impl Speculator for Oracle {
                 let s = &self.sequences[l.seq as usize];
                 let at = self.lengths[l.seq as usize];
                 assert_eq!(s[at], l.anchor, "the anchor is the committed token at L");
-                Proposal { tokens: s[at + 1..at + 1 + self.gamma].to_vec(), q: None, confidence: None }
+                Proposal {
+                    tokens: s[at + 1..at + 1 + self.gamma].to_vec(),
+                    q: None,
+                    confidence: None,
+                    q_rows: None,
+                }
             })
             .collect())
     }

@@ -7,7 +7,7 @@
 //! counts (top-k) or weighs (top-p) each digit's bucket in one pass over the row per digit. The
 //! second launch runs one cube per lane: thread 0 walks the drafts' acceptance tests, then the
 //! cube draws from the residual (or the bonus row) by per-thread sums over contiguous chunks,
-//! walked in order.
+//! summed per warp, and walked in order (warps, that warp's threads, that thread's values).
 //!
 //! Every sum has a fixed order (per-thread in index order, warps by a fixed butterfly, warps in
 //! order), so a lane's outcome depends only on its rows and words.
@@ -122,10 +122,13 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
     let mut red_i = Shared::<[u32]>::new_slice(WARPS);
     let mut red = Shared::<[f64]>::new_slice(WARPS * BUCKETS);
     let mut hist = Shared::<[f64]>::new_slice(BUCKETS);
+    let mut red_u = Shared::<[u32]>::new_slice(WARPS * BUCKETS);
+    let mut hist_u = Shared::<[u32]>::new_slice(BUCKETS);
     let mut counts = Shared::<[u32]>::new_slice(THREADS);
     let mut found = Shared::<[u32]>::new_slice(3usize);
     let mut vals = Array::<f32>::new(UNROLL);
     let mut acc = Array::<f64>::new(BUCKETS);
+    let mut cnt = Array::<u32>::new(BUCKETS);
 
     // 1. The maximum and its lowest index (NaN skipped).
     let mut best_v = f32::new(f32::NEG_INFINITY);
@@ -173,11 +176,11 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
     let mut s_kept = 0.0f64;
 
     if !onehot {
-        // 2. top-k: the k-th largest key, by a radix descent on counts.
+        // 2. top-k: the k-th largest key, by a radix descent on counts (integers: any order).
         if top_k > 0 && top_k < width {
-            let goal = f64::cast_from(top_k as u32);
+            let goal = top_k as u32;
             let mut prefix = 0u32;
-            let mut above = 0.0f64;
+            let mut above = 0u32;
             for level in 0..8u32 {
                 let shift = 28u32 - 4u32 * level;
                 let mut hi_mask = 0u32;
@@ -186,7 +189,7 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
                 }
                 #[unroll]
                 for b in 0..BUCKETS {
-                    acc[b] = 0.0f64;
+                    cnt[b] = 0u32;
                 }
                 let mut i1 = tid;
                 while i1 < width {
@@ -204,11 +207,11 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
                         if i1 + j * THREADS < width {
                             let k = key_of(vals[j]);
                             if (k & hi_mask) == prefix {
-                                let d = ((k >> shift) & 15u32) as usize;
+                                let d = (k >> shift) & 15u32;
                                 #[unroll]
                                 for b in 0..BUCKETS {
-                                    if d == b {
-                                        acc[b] += 1.0f64;
+                                    if d == b as u32 {
+                                        cnt[b] += 1u32;
                                     }
                                 }
                             }
@@ -218,18 +221,18 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
                 }
                 #[unroll]
                 for b in 0..BUCKETS {
-                    let s = warp_sum(acc[b]);
+                    let c = plane_sum(cnt[b]);
                     if lane == 0 {
-                        red[warp * BUCKETS + b] = s;
+                        red_u[warp * BUCKETS + b] = c;
                     }
                 }
                 sync_cube();
                 if tid < BUCKETS {
-                    let mut s = 0.0f64;
+                    let mut c = 0u32;
                     for w in 0..WARPS {
-                        s += red[w * BUCKETS + tid];
+                        c += red_u[w * BUCKETS + tid];
                     }
-                    hist[tid] = s;
+                    hist_u[tid] = c;
                 }
                 sync_cube();
                 let mut chosen = false;
@@ -237,11 +240,11 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
                 for dd in 0..BUCKETS {
                     let d = BUCKETS - 1 - dd;
                     if !chosen {
-                        if above + hist[d] >= goal || d == 0 {
+                        if above + hist_u[d] >= goal || d == 0 {
                             chosen = true;
                             digit = d as u32;
                         } else {
-                            above += hist[d];
+                            above += hist_u[d];
                         }
                     }
                 }
@@ -500,8 +503,11 @@ fn accept_lane_kernel(
     let q_row = u32::cast_from(words[at + 1]) as usize;
     let m = u32::cast_from(words[at + 2]) as usize;
 
+    let lane = tid % 32;
+    let warp = tid / 32;
     let mut decided = Shared::<[u32]>::new_slice(4usize);
     let mut per_thread = Shared::<[f64]>::new_slice(THREADS);
+    let mut per_warp = Shared::<[f64]>::new_slice(WARPS);
 
     // 1. The acceptance tests, in order.
     if tid == 0 {
@@ -553,10 +559,19 @@ fn accept_lane_kernel(
     }
     per_thread[tid] = sum;
     sync_cube();
+    // Warps' sums, each over its threads in order.
+    if lane == 0 {
+        let mut w = 0.0f64;
+        for l in 0..32usize {
+            w += per_thread[tid + l];
+        }
+        per_warp[warp] = w;
+    }
+    sync_cube();
     if tid == 0 && residual {
         let mut total = 0.0f64;
-        for th in 0..THREADS {
-            total += per_thread[th];
+        for w in 0..WARPS {
+            total += per_warp[w];
         }
         if !(total > RESIDUAL_FLOOR) {
             decided[1] = 0u32;
@@ -574,30 +589,60 @@ fn accept_lane_kernel(
             }
         }
         per_thread[tid] = again;
+        sync_cube();
+        if lane == 0 {
+            let mut w = 0.0f64;
+            for l in 0..32usize {
+                w += per_thread[tid + l];
+            }
+            per_warp[warp] = w;
+        }
     }
     sync_cube();
 
-    // 3. Thread 0 walks the chunks in order, then the chosen chunk's values.
+    // 3. Thread 0 walks the warps in order, that warp's threads, then the chosen chunk's values.
     if tid == 0 {
         let mut total = 0.0f64;
-        for th in 0..THREADS {
-            total += per_thread[th];
+        for w in 0..WARPS {
+            total += per_warp[w];
         }
         let mut token = i32::cast_from(p_u[4 * pr + 3]);
         if total > 0.0f64 {
             let mut goal = coin_at(words, at + LANE_HEADER + ENTRY_WORDS * c + 3) * total;
             let mut running = 0.0f64;
             let mut found = false;
-            let mut pick = 0usize;
-            let mut last = 0usize;
-            for th in 0..THREADS {
-                let w = per_thread[th];
+            let mut wpick = 0usize;
+            let mut wlast = 0usize;
+            for w in 0..WARPS {
+                let weight = per_warp[w];
                 let before = running;
-                running += w;
-                if w > 0.0f64 {
+                running += weight;
+                if weight > 0.0f64 {
+                    wlast = w;
+                }
+                if !found && running > goal && weight > 0.0f64 {
+                    found = true;
+                    wpick = w;
+                    goal -= before;
+                }
+            }
+            if !found {
+                wpick = wlast;
+                goal = f64::new(f32::INFINITY);
+            }
+            running = 0.0f64;
+            found = false;
+            let mut pick = wpick * 32;
+            let mut last = wpick * 32;
+            for l in 0..32usize {
+                let th = wpick * 32 + l;
+                let weight = per_thread[th];
+                let before = running;
+                running += weight;
+                if weight > 0.0f64 {
                     last = th;
                 }
-                if !found && running > goal && w > 0.0f64 {
+                if !found && running > goal && weight > 0.0f64 {
                     found = true;
                     pick = th;
                     goal -= before;

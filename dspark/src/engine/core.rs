@@ -352,6 +352,10 @@ impl Engine {
             }
             _ => {}
         }
+        let mut draft = draft;
+        // Sampled rounds verify on the device where the kernels run: proposals keep their rows
+        // there.
+        draft.set_q_on_device(dspark_kernels::kernels_available(target.device()));
         let mut engine = Self::new(target, config)?;
         engine.draft = Some(draft);
         Ok(engine)

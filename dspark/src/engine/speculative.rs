@@ -7,14 +7,16 @@
 
 use std::time::Instant;
 
+use burn::tensor::{Int, Tensor, TensorData};
+
 use super::core::{Engine, RoundRecord, StepOutput, VerifyPolicy, read_f32, read_ids};
 use super::schedule;
-use crate::accept::{chain_verify_seeded, greedy_verify};
+use crate::accept::{Verdict, chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
 use crate::model::{LogitRows, SeqChunk};
-use crate::sampling::{argmax, target_probs_rows};
-use crate::speculator::{Proposal, ProposeLane};
+use crate::sampling::{SamplingParams, Stream, argmax, coin, target_probs, target_probs_rows};
+use crate::speculator::{DeviceQ, Proposal, ProposeLane};
 
 /// How many of `proposal`'s drafts to verify under `policy`.
 fn verify_count(policy: VerifyPolicy, proposal: &Proposal, gamma: usize) -> usize {
@@ -30,6 +32,89 @@ fn verify_count(policy: VerifyPolicy, proposal: &Proposal, gamma: usize) -> usiz
         // Decided across lanes by `Engine::throughput_counts`.
         VerifyPolicy::Throughput => gamma,
     }
+}
+
+/// Every sampled lane's verdict from one [`dspark_kernels::chain_accept`] call (`None` for
+/// greedy lanes): `logits` holds the verify rows, lane `i`'s from `first_rows[i]`; its drafts
+/// are `windows[i][1..]`, drawn from its proposal's device rows. The coins are those of
+/// [`chain_verify_seeded`] at the same positions, so the verdict is the host rule's up to f64
+/// rounding.
+fn accept_on_device(
+    logits: &Tensor<2>,
+    params: &[&SamplingParams],
+    proposals: &[Proposal],
+    windows: &[Vec<u32>],
+    first_rows: &[usize],
+    positions: &[usize],
+    gamma: usize,
+) -> Result<Vec<Option<Verdict>>> {
+    use dspark_kernels::accept::{AcceptLane, accept_words, lane_stride};
+    let [p_rows, _] = logits.dims();
+    let mut lanes = Vec::new();
+    let mut parts = Vec::new();
+    let mut owners = Vec::new();
+    let mut q_rows = 0;
+    for (i, p) in params.iter().enumerate() {
+        if p.is_greedy() {
+            continue;
+        }
+        let drafts = windows[i][1..].to_vec();
+        let m = drafts.len();
+        let rows =
+            proposals[i].q_rows.as_ref().ok_or_else(|| Error::Backend("no device proposal rows".into()))?;
+        if m > 0 {
+            parts.push(rows.rows.clone().narrow(0, rows.first, m));
+        }
+        let first = positions[i] + 1;
+        lanes.push(AcceptLane {
+            p_row: first_rows[i],
+            q_row: q_rows,
+            drafts,
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            accept_coins: (0..m).map(|s| coin(p.seed, Stream::Accept, first + s)).collect(),
+            draw_coins: (0..=m).map(|c| coin(p.seed, Stream::TargetSample, first + c)).collect(),
+        });
+        owners.push(i);
+        q_rows += m;
+    }
+    // Without drafts the proposal rows are never read: one target row stands in.
+    let q = if parts.is_empty() { logits.clone().narrow(0, 0, 1) } else { Tensor::cat(parts, 0) };
+    let q_count = q.dims()[0];
+    let (rows, words) = accept_words(&lanes, p_rows, q_count, gamma);
+    let device = logits.device();
+    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [3 * (p_rows + q_count)]), &device);
+    let words =
+        Tensor::<2, Int>::from_data(TensorData::new(words, [lanes.len(), lane_stride(gamma)]), &device);
+    let out = dspark_kernels::chain_accept(logits.clone(), q, rows, words).reshape([2 * lanes.len()]);
+    let out = read_ids(out)?;
+    let mut verdicts = vec![None; params.len()];
+    for ((lane, &i), pair) in lanes.iter().zip(&owners).zip(out.chunks(2)) {
+        let (accepted, bonus) = (pair[0] as usize, pair[1]);
+        if accepted > lane.drafts.len() {
+            return Err(Error::Backend(format!(
+                "device verdict accepts {accepted} of {} drafts",
+                lane.drafts.len()
+            )));
+        }
+        let mut committed = lane.drafts[..accepted].to_vec();
+        committed.push(bonus);
+        verdicts[i] = Some(Verdict { accepted, bonus, committed, cap_trim: 0 });
+    }
+    Ok(verdicts)
+}
+
+/// The proposal distributions `softmax(row / T)` of `m` device rows, made on the host (for a
+/// sampled lane verified on the host whose draft left its rows on the device).
+fn host_q(rows: &DeviceQ, m: usize, temperature: f32) -> Result<Vec<Vec<f64>>> {
+    if m == 0 {
+        return Ok(Vec::new());
+    }
+    let [_, v] = rows.rows.dims();
+    let values = read_f32(rows.rows.clone().narrow(0, rows.first, m))?;
+    let softmax = SamplingParams { temperature, ..SamplingParams::default() };
+    Ok(values.chunks(v).map(|r| target_probs(r, &softmax)).collect())
 }
 
 impl Engine {
@@ -82,14 +167,33 @@ impl Engine {
         let output = self.target.forward(&chunks, &layers, &mut self.cache)?;
         self.stats.forward_passes += 1;
         let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
-        // Every lane greedy where the kernels run: only the target's argmax ids leave the device.
-        let greedy_ids = self.running.iter().all(|l| l.request.params.is_greedy())
-            && dspark_kernels::kernels_available(&logits_t.device());
-        let (logits, argmax_ids) = if greedy_ids {
-            (Vec::new(), read_ids(dspark_kernels::argmax_rows(logits_t))?)
+        // Where the kernels run, only ids leave the device: the target's argmax for greedy lanes,
+        // and for sampled lanes whose proposal rows are on the device, their verdicts.
+        let on_kernels = dspark_kernels::kernels_available(&logits_t.device());
+        let params: Vec<&SamplingParams> = self.running.iter().map(|l| &l.request.params).collect();
+        let any_greedy = params.iter().any(|p| p.is_greedy());
+        let any_sampled = params.iter().any(|p| !p.is_greedy());
+        let sampled_on_device = on_kernels
+            && params.iter().zip(&proposals).any(|(p, x)| !p.is_greedy() && x.q_rows.is_some())
+            && params.iter().zip(&proposals).all(|(p, x)| p.is_greedy() || x.q_rows.is_some());
+        let host_logits = !on_kernels || (any_sampled && !sampled_on_device);
+        let (logits, argmax_ids, device_verdicts) = if host_logits {
+            (read_f32(logits_t)?, Vec::new(), Vec::new())
         } else {
-            (read_f32(logits_t)?, Vec::new())
+            let ids = if any_greedy {
+                read_ids(dspark_kernels::argmax_rows(logits_t.clone()))?
+            } else {
+                Vec::new()
+            };
+            let verdicts = if sampled_on_device {
+                let rows: Vec<usize> = output.logit_rows.iter().map(|r| r.start).collect();
+                accept_on_device(&logits_t, &params, &proposals, &windows, &rows, &positions, gamma)?
+            } else {
+                Vec::new()
+            };
+            (Vec::new(), ids, verdicts)
         };
+        drop(params);
         let features =
             output.features.clone().ok_or_else(|| Error::Backend("no features captured".into()))?;
         let verified_at = Instant::now();
@@ -107,27 +211,30 @@ impl Engine {
             let params = &l.request.params;
             let (m, position) = (counts[i], positions[i]);
             let drafts = &windows[i][1..];
-            let rows: Vec<&[f32]> = if greedy_ids {
-                Vec::new()
-            } else {
+            let rows: Vec<&[f32]> = if host_logits {
                 output.logit_rows[i].clone().map(|r| &logits[r * vocab..(r + 1) * vocab]).collect()
+            } else {
+                Vec::new()
             };
             // 4. accept: greedy prefix match, or chain rejection with the residual.
             let verdict = if params.is_greedy() {
-                let target_argmax: Vec<u32> = if greedy_ids {
-                    output.logit_rows[i].clone().map(|r| argmax_ids[r]).collect()
-                } else {
+                let target_argmax: Vec<u32> = if host_logits {
                     rows.iter().map(|r| argmax(r)).collect()
+                } else {
+                    output.logit_rows[i].clone().map(|r| argmax_ids[r]).collect()
                 };
                 greedy_verify(drafts, &target_argmax, None)?
+            } else if let Some(Some(verdict)) = device_verdicts.get(i) {
+                verdict.clone()
             } else {
                 let p = target_probs_rows(&rows, params);
-                let q = proposals[i]
-                    .q
-                    .as_ref()
-                    .ok_or_else(|| Error::Backend("sampling proposal without q".into()))?;
+                let q = match (&proposals[i].q, &proposals[i].q_rows) {
+                    (Some(q), _) => q[..m].to_vec(),
+                    (None, Some(rows)) => host_q(rows, m, params.temperature)?,
+                    (None, None) => return Err(Error::Backend("sampling proposal without q".into())),
+                };
                 let p_rows: Vec<&[f64]> = p.iter().map(Vec::as_slice).collect();
-                let q_rows: Vec<&[f64]> = q[..m].iter().map(Vec::as_slice).collect();
+                let q_rows: Vec<&[f64]> = q.iter().map(Vec::as_slice).collect();
                 chain_verify_seeded(drafts, &p_rows, &q_rows, params.seed, position + 1, None)?
             };
             let a = verdict.accepted;
@@ -220,5 +327,85 @@ fn mean_confidence(proposals: &[Proposal], gamma: usize) -> Option<Vec<f32>> {
 fn grow(v: &mut Vec<usize>, len: usize) {
     if v.len() < len {
         v.resize(len, 0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Values in [−4, 4) from a seed (a fixed pseudo-random row set).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        (0..n).map(|i| (coin(seed, Stream::Draft, i) * 8.0 - 4.0) as f32).collect()
+    }
+
+    #[test]
+    fn device_verdicts_are_the_host_chain_lane_by_lane() {
+        // Three lanes in one verify: sampled with 3 drafts (top-k and top-p), greedy with 1,
+        // sampled with none. The device call (its host body here) decides each sampled lane as
+        // `chain_verify_seeded` does with host p and q, at the same rows, drafts and positions.
+        let device = Default::default();
+        let (v, gamma) = (64usize, 4usize);
+        let params = [
+            SamplingParams { temperature: 0.9, top_k: 10, top_p: 0.9, seed: 5, ..SamplingParams::default() },
+            SamplingParams::greedy(8),
+            SamplingParams { temperature: 0.7, seed: 9, ..SamplingParams::default() },
+        ];
+        let counts = [3usize, 1, 0];
+        let first_rows = [0usize, 4, 6];
+        let positions = [11usize, 30, 7];
+        let p_host = values(1, 7 * v);
+        // The proposal rows: the target's, perturbed, at each lane's γ-row block.
+        let noise = values(2, 3 * gamma * v);
+        let q_host: Vec<f32> = (0..3 * gamma * v).map(|i| p_host[i % (7 * v)] + noise[i] / 5.0).collect();
+        let q_tensor = Tensor::<2>::from_data(TensorData::new(q_host.clone(), [3 * gamma, v]), &device);
+        let row = |x: &[f32], r: usize| x[r * v..(r + 1) * v].to_vec();
+        let q_dist = |lane: usize, k: usize| {
+            let softmax =
+                SamplingParams { temperature: params[lane].temperature, ..SamplingParams::default() };
+            target_probs(&row(&q_host, lane * gamma + k), &softmax)
+        };
+        let mut windows = Vec::new();
+        let mut proposals = Vec::new();
+        for lane in 0..3 {
+            let drafts: Vec<u32> = (0..counts[lane])
+                .map(|k| {
+                    let u = coin(3, Stream::Draft, 100 * lane + k);
+                    crate::sampling::sample_weights(&q_dist(lane, k), u).unwrap()
+                })
+                .collect();
+            windows.push(std::iter::once(1u32).chain(drafts.iter().copied()).collect::<Vec<_>>());
+            let q_rows =
+                (!params[lane].is_greedy()).then(|| DeviceQ { rows: q_tensor.clone(), first: lane * gamma });
+            proposals.push(Proposal { tokens: drafts, q: None, confidence: None, q_rows });
+        }
+        let logits = Tensor::<2>::from_data(TensorData::new(p_host.clone(), [7, v]), &device);
+        let refs: Vec<&SamplingParams> = params.iter().collect();
+        let verdicts =
+            accept_on_device(&logits, &refs, &proposals, &windows, &first_rows, &positions, gamma).unwrap();
+        assert!(verdicts[1].is_none(), "the greedy lane is not decided here");
+        for lane in [0, 2] {
+            let m = counts[lane];
+            let p: Vec<Vec<f64>> =
+                (0..=m).map(|r| target_probs(&row(&p_host, first_rows[lane] + r), &params[lane])).collect();
+            let q: Vec<Vec<f64>> = (0..m).map(|k| q_dist(lane, k)).collect();
+            let p_rows: Vec<&[f64]> = p.iter().map(Vec::as_slice).collect();
+            let q_rows: Vec<&[f64]> = q.iter().map(Vec::as_slice).collect();
+            let host = chain_verify_seeded(
+                &windows[lane][1..],
+                &p_rows,
+                &q_rows,
+                params[lane].seed,
+                positions[lane] + 1,
+                None,
+            )
+            .unwrap();
+            assert_eq!(verdicts[lane].as_ref(), Some(&host), "lane {lane}");
+            // The host fallback makes the same q from the device rows.
+            let fallback =
+                host_q(proposals[lane].q_rows.as_ref().unwrap(), m, params[lane].temperature).unwrap();
+            assert_eq!(fallback, q, "lane {lane}");
+        }
     }
 }

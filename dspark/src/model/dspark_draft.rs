@@ -21,7 +21,7 @@ use crate::engine::read_f32;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, PagedKvCache, SeqId};
 use crate::sampling::{SamplingParams, Stream, coin, sample_weights};
-use crate::speculator::{Proposal, ProposeLane, Speculator};
+use crate::speculator::{DeviceQ, Proposal, ProposeLane, Speculator};
 use crate::weights::Checkpoint;
 
 /// Draft KV settings.
@@ -139,6 +139,9 @@ pub struct DSparkDraft {
     /// Device copies of the heads for the device Markov pass (where this crate's kernels run,
     /// or when asked for with [`DSparkDraft::set_device_markov`]); `None`: the host pass.
     device_markov: Option<DeviceMarkov>,
+    /// Sampling proposals hand out their device rows instead of host `q` (see
+    /// [`Speculator::set_q_on_device`]).
+    q_on_device: bool,
     /// Cos/sin of every position, built for the first recorded round.
     rope_table: std::sync::OnceLock<(Tensor<2>, Tensor<2>)>,
     /// Recorded greedy rounds (CUDA); dropped whenever the weights or heads change.
@@ -466,6 +469,7 @@ impl DSparkDraft {
         device.memory_cleanup();
         Ok(Self {
             device_markov,
+            q_on_device: false,
             layer_ids,
             dtype,
             embed_tokens: target.embed_tokens,
@@ -888,18 +892,23 @@ impl DSparkDraft {
         });
         self.give_back_scratch(lanes, &contexts);
         let readback = tracing::debug_span!("propose_readback").entered();
-        let (out, rows) = match ran {
+        let keep = sampling && self.q_on_device;
+        let (out, rows, kept) = match ran {
             Ran::Replayed(outs) => {
-                let mut outs = outs.into_iter().map(read_f32);
-                let out = match outs.next() {
+                let mut outs = outs.into_iter();
+                let out = match outs.next().map(read_f32) {
                     Some(Ok(out)) => out,
                     Some(Err(e)) => return Some(Err(e)),
                     None => return Some(Err(Error::Backend("a recorded round returned nothing".into()))),
                 };
                 match (sampling, outs.next()) {
-                    (false, _) => (out, Vec::new()),
-                    (true, Some(Ok(rows))) => (out, rows),
-                    (true, Some(Err(e))) => return Some(Err(e)),
+                    (false, _) => (out, Vec::new(), None),
+                    // The engine verifies against the rows where they are.
+                    (true, Some(rows)) if keep => (out, Vec::new(), Some(rows)),
+                    (true, Some(rows)) => match read_f32(rows) {
+                        Ok(rows) => (out, rows, None),
+                        Err(e) => return Some(Err(e)),
+                    },
                     (true, None) => {
                         return Some(Err(Error::Backend("a recorded round returned no draft rows".into())));
                     }
@@ -911,7 +920,7 @@ impl DSparkDraft {
         drop(readback);
         let _finish = tracing::debug_span!("propose_finish").entered();
         let (tokens, hidden) = out.split_at(n);
-        let mut q = if sampling {
+        let mut q = if sampling && !keep {
             let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
             super::markov_device::q_rows(&rows, vocab, &params, gamma)
         } else {
@@ -925,7 +934,11 @@ impl DSparkDraft {
                 let tokens: Vec<u32> = tokens[i * gamma..(i + 1) * gamma].iter().map(|&t| t as u32).collect();
                 let confidence = self.confidences(lane.anchor, &tokens, &hidden[i * gamma * h..]);
                 let q = q.next().filter(|_| !lane.params.is_greedy());
-                Proposal { tokens, q, confidence }
+                let q_rows = kept
+                    .as_ref()
+                    .filter(|_| !lane.params.is_greedy())
+                    .map(|rows| DeviceQ { rows: rows.clone(), first: i * gamma });
+                Proposal { tokens, q, confidence, q_rows }
             })
             .collect();
         Some(Ok(proposals))
@@ -1136,6 +1149,11 @@ impl Speculator for DSparkDraft {
         self.config.block_size
     }
 
+    /// Taken where the Markov steps run on the device (recorded or op by op).
+    fn set_q_on_device(&mut self, on: bool) {
+        self.q_on_device = on;
+    }
+
     fn feature_layers(&self) -> &[usize] {
         &self.layer_ids
     }
@@ -1207,12 +1225,19 @@ impl Speculator for DSparkDraft {
                 Some(_) => read_f32(hidden)?,
                 None => Vec::new(),
             };
-            let round = dev.run(&anchors, logits, gamma, &params, &positions)?;
+            let round = dev.run(&anchors, logits, gamma, &params, &positions, self.q_on_device)?;
             let mut proposals = Vec::with_capacity(lanes.len());
             for (i, ((tokens, q), lane)) in round.tokens.into_iter().zip(round.q).zip(lanes).enumerate() {
                 let confidence =
                     self.confidences(lane.anchor, &tokens, &hidden[(i * gamma * h).min(hidden.len())..]);
-                proposals.push(Proposal { tokens, q: (!lane.params.is_greedy()).then_some(q), confidence });
+                let sampled = !lane.params.is_greedy();
+                let q_rows = round
+                    .rows
+                    .as_ref()
+                    .filter(|_| sampled)
+                    .map(|rows| DeviceQ { rows: rows.clone(), first: i * gamma });
+                let q = (sampled && q_rows.is_none()).then_some(q);
+                proposals.push(Proposal { tokens, q, confidence, q_rows });
             }
             return Ok(proposals);
         }
@@ -1234,6 +1259,7 @@ impl Speculator for DSparkDraft {
                 tokens: pass.tokens,
                 q: (!lane.params.is_greedy()).then_some(pass.q),
                 confidence,
+                q_rows: None,
             });
         }
         Ok(out)

@@ -40,8 +40,12 @@ pub(crate) struct DeviceMarkov {
 pub(crate) struct DeviceRound {
     /// `[lane][k]` draft tokens.
     pub tokens: Vec<Vec<u32>>,
-    /// `[lane][k]` proposal distributions of sampling lanes (empty for greedy lanes).
+    /// `[lane][k]` proposal distributions of sampling lanes (empty for greedy lanes, and when
+    /// the rows stay on the device).
     pub q: Vec<Vec<Vec<f64>>>,
+    /// The corrected rows `[lanes·γ, V]` (f32) the tokens were drawn from, when asked to keep
+    /// them on the device instead of making `q`.
+    pub rows: Option<Tensor<2>>,
 }
 
 impl DeviceMarkov {
@@ -76,6 +80,7 @@ impl DeviceMarkov {
         gamma: usize,
         params: &[&SamplingParams],
         positions: &[usize],
+        keep_rows: bool,
     ) -> Result<DeviceRound> {
         let lanes = anchors.len();
         let [_, v] = base.dims();
@@ -84,8 +89,11 @@ impl DeviceMarkov {
         let ids =
             |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [lanes]), &self.device);
         let prev = ids(anchors.iter().map(|&a| i64::from(a)).collect());
-        let mut round =
-            DeviceRound { tokens: vec![Vec::with_capacity(gamma); lanes], q: vec![Vec::new(); lanes] };
+        let mut round = DeviceRound {
+            tokens: vec![Vec::with_capacity(gamma); lanes],
+            q: vec![Vec::new(); lanes],
+            rows: None,
+        };
         if greedy {
             let tokens = self.greedy(prev, base, gamma).into_data().convert::<i64>();
             let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
@@ -94,18 +102,22 @@ impl DeviceMarkov {
             }
             return Ok(round);
         }
-        // Sampling lanes draw on the device from their coins; one read of the tokens and the
-        // corrected rows at the end, from which the host makes each q.
+        // Sampling lanes draw on the device from their coins; one read of the tokens at the end,
+        // and of the corrected rows, from which the host makes each q, unless they stay on the
+        // device for the engine's verification there.
         let words = draw_words(params, positions, gamma);
         let draws = Tensor::<1, Int>::from_data(TensorData::new(words, [3 * lanes * gamma]), &self.device);
         let (tokens, rows) = self.sampled(prev, base, gamma, draws);
         let tokens = tokens.into_data().convert::<i64>();
         let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-        let rows = read_f32(rows)?;
         for (i, row) in tokens.chunks(gamma).enumerate() {
             round.tokens[i] = row.iter().map(|&t| t as u32).collect();
         }
-        round.q = q_rows(&rows, v, params, gamma);
+        if keep_rows {
+            round.rows = Some(rows);
+        } else {
+            round.q = q_rows(&read_f32(rows)?, v, params, gamma);
+        }
         Ok(round)
     }
 
