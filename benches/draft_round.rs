@@ -6,7 +6,11 @@
 //!   argmax, readback);
 //! - the draft's context extension by 4 committed rows (fc, hidden norm, K/V of every draft
 //!   layer), and a full proposal — block forward, LM-head rows, Markov loop, confidence, and `q`
-//!   when sampling — greedy and at temperature 1;
+//!   when sampling — greedy and at temperature 1 (with `q` made on the host, and with its rows
+//!   left on the device as the engine asks where it verifies there);
+//! - chain acceptance of one lane's γ drafts on the device (`dspark_kernels::chain_accept`,
+//!   random rows, T = 1, plain and with top-k 50 / top-p 0.9), with the verdict read back, and
+//!   the host path it replaces (rows read back, `target_probs_rows`, `chain_verify`);
 //! - with `--graphs on,off`, all of it with recorded CUDA graphs and op by op;
 //! - the speedup over target-only these times imply at acceptance τ:
 //!   `τ · step / (extend + propose + verify)`.
@@ -31,7 +35,7 @@ mod spans;
 
 use std::time::Instant;
 
-use burn::tensor::{Device, Distribution, Tensor, TensorCreationOptions};
+use burn::tensor::{Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
 use clap::Parser;
 use dspark::{
     ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, KvCache, LogitRows, PagedKvCache, ProposeLane,
@@ -198,9 +202,10 @@ fn main() -> dspark::Result<()> {
     };
 
     let mut header = String::from(
-        "| device | dtype | draft | γ | weights | graphs | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | round ms (greedy) |",
+        "| device | dtype | draft | γ | weights | graphs | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | propose T=1, q on device ms | accept T=1 ms | accept T=1 top-k 50 top-p 0.9 ms | host accept T=1 ms | host accept T=1 top-k 50 top-p 0.9 ms | round ms (greedy) | round ms (T=1, top-k/top-p) | round ms (T=1, top-k/top-p, host q and accept) |",
     );
-    let mut rule = String::from("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rule =
+        String::from("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for tau in &args.tau {
         header.push_str(&format!(" implied speedup τ={tau} |"));
         rule.push_str("---|");
@@ -296,19 +301,95 @@ fn main() -> dspark::Result<()> {
             profiled(&args, &device, spans, "extend", || draft.extend_context(dseq, f.clone()))?;
             let greedy = SamplingParams::greedy(gamma);
             let sampled = SamplingParams { temperature: 1.0, seed: 7, ..SamplingParams::greedy(gamma) };
-            let mut propose = |params: &SamplingParams, phase: &str| -> dspark::Result<f64> {
-                let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
-                let t = time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))?;
-                profiled(&args, &device, spans, phase, || draft.propose(&lane).map(|_| ()))?;
-                Ok(t)
-            };
-            let p_greedy = propose(&greedy, "propose")?;
+            let mut propose =
+                |params: &SamplingParams, phase: &str, q_on_device: bool| -> dspark::Result<f64> {
+                    draft.set_q_on_device(q_on_device);
+                    let lane = [ProposeLane { seq: dseq, anchor: 5, params }];
+                    let t = time(&device, args.warmup, args.reps, || draft.propose(&lane).map(|_| ()))?;
+                    profiled(&args, &device, spans, phase, || draft.propose(&lane).map(|_| ()))?;
+                    Ok(t)
+                };
+            let p_greedy = propose(&greedy, "propose", false)?;
             memory_at("greedy proposals", &meter, &device);
-            let p_sampled = propose(&sampled, "propose-sampled")?;
+            let p_sampled = propose(&sampled, "propose-sampled", false)?;
             memory_at("sampled proposals", &meter, &device);
+            // As the engine asks where it verifies on the device: the rows stay there.
+            let p_kept = propose(&sampled, "propose-sampled", true)?;
+            draft.set_q_on_device(false);
+            // Chain acceptance of one lane's γ drafts on the device, and its two ids read back.
+            let accept_opts = TensorCreationOptions::new(device.clone()).with_dtype(burn::tensor::DType::F32);
+            let p_rows = Tensor::<2>::random(
+                [gamma + 1, vocab as usize],
+                Distribution::Normal(0.0, 2.0),
+                accept_opts.clone(),
+            );
+            let q_rows =
+                Tensor::<2>::random([gamma, vocab as usize], Distribution::Normal(0.0, 2.0), accept_opts);
+            let accept = |top_k: usize, top_p: f32| -> dspark::Result<f64> {
+                let lane = dspark_kernels::accept::AcceptLane {
+                    p_row: 0,
+                    q_row: 0,
+                    drafts: (0..gamma as u32).map(|i| 3 + 11 * i).collect(),
+                    temperature: 1.0,
+                    top_k,
+                    top_p,
+                    accept_coins: vec![0.0; gamma],
+                    draw_coins: vec![0.5; gamma + 1],
+                };
+                let (rows, words) = dspark_kernels::accept::accept_words(&[lane], gamma + 1, gamma, gamma);
+                let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [3 * (2 * gamma + 1)]), &device);
+                let stride = dspark_kernels::accept::lane_stride(gamma);
+                let words = Tensor::<2, Int>::from_data(TensorData::new(words, [1, stride]), &device);
+                time(&device, args.warmup, args.reps, || {
+                    let out = dspark_kernels::chain_accept(
+                        p_rows.clone(),
+                        q_rows.clone(),
+                        rows.clone(),
+                        words.clone(),
+                    );
+                    let _ = out.into_data();
+                    Ok(())
+                })
+            };
+            let accept_plain = accept(0, 1.0)?;
+            let accept_filtered = accept(50, 0.9)?;
+            // The host path the device call replaces: the verify rows read back, the target's
+            // distributions made and the chain decided on the host (q made beforehand, as the
+            // proposal with host q hands it out; its cost is in "propose T=1").
+            let q_host: Vec<Vec<f64>> = {
+                let values =
+                    q_rows.clone().into_data().convert::<f32>().try_to_vec::<f32>().unwrap_or_default();
+                let softmax = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+                values.chunks(vocab as usize).map(|r| dspark::sampling::target_probs(r, &softmax)).collect()
+            };
+            let host_accept = |top_k: usize, top_p: f32| -> dspark::Result<f64> {
+                let params =
+                    SamplingParams { temperature: 1.0, top_k, top_p, seed: 3, ..SamplingParams::default() };
+                let drafts: Vec<u32> = (0..gamma as u32).map(|i| 3 + 11 * i).collect();
+                time(&device, args.warmup, args.reps, || {
+                    let values = p_rows
+                        .clone()
+                        .into_data()
+                        .convert::<f32>()
+                        .try_to_vec::<f32>()
+                        .map_err(|e| dspark::Error::Backend(format!("{e:?}")))?;
+                    let rows: Vec<&[f32]> = values.chunks(vocab as usize).collect();
+                    let p = dspark::sampling::target_probs_rows(&rows, &params);
+                    let p: Vec<&[f64]> = p.iter().map(Vec::as_slice).collect();
+                    let q: Vec<&[f64]> = q_host.iter().map(Vec::as_slice).collect();
+                    // A draft with q = 0 is refused; these drafts are arbitrary, so only the
+                    // work counts here.
+                    let _ = dspark::accept::chain_verify_seeded(&drafts, &p, &q, params.seed, 100, None);
+                    Ok(())
+                })
+            };
+            let host_plain = host_accept(0, 1.0)?;
+            let host_filtered = host_accept(50, 0.9)?;
             let round = extend + p_greedy + verify;
+            let round_sampled = extend + p_kept + verify + accept_filtered;
+            let round_host = extend + p_sampled + verify + host_filtered;
             let mut row = format!(
-                "| {} | {} | {} | {gamma} | {weights} | {mode} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {} | {} | {gamma} | {weights} | {mode} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} |",
                 args.device,
                 dtype,
                 if confidence { "confidence" } else { "no confidence" },
@@ -319,7 +400,14 @@ fn main() -> dspark::Result<()> {
                 extend * 1e3,
                 p_greedy * 1e3,
                 p_sampled * 1e3,
-                round * 1e3
+                p_kept * 1e3,
+                accept_plain * 1e3,
+                accept_filtered * 1e3,
+                host_plain * 1e3,
+                host_filtered * 1e3,
+                round * 1e3,
+                round_sampled * 1e3,
+                round_host * 1e3
             );
             for tau in &args.tau {
                 row.push_str(&format!(" {:.2}× |", tau * one_row / round));
