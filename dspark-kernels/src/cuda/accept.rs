@@ -1,13 +1,14 @@
 //! Chain rejection sampling on the device (see [`crate::accept`] for the rule).
 //!
-//! Two launches. The first runs one cube per row (target rows and proposal rows alike) and
+//! First, one launch per row set runs one cube per row (target rows and proposal rows alike) and
 //! reduces the row to a few numbers that fix its distribution: the maximum `M`, the argmax, the
 //! top-k floor key, the top-p boundary key and tie cutoff, and the kept weights' sum `S` (0 for a
 //! one-hot row). Top-k and top-p need no sort: a radix descent over the keys' eight 4-bit digits
-//! counts (top-k) or weighs (top-p) each digit's bucket in one pass over the row per digit. The
-//! second launch runs one cube per lane: thread 0 walks the drafts' acceptance tests, then the
-//! cube draws from the residual (or the bonus row) by per-thread sums over contiguous chunks,
-//! summed per warp, and walked in order (warps, that warp's threads, that thread's values).
+//! counts (top-k) or weighs (top-p) each digit's bucket in one pass over the row per digit. Then
+//! three launches decide and draw, as [`crate::sample_rows`] draws: one thread per lane runs the
+//! drafts' acceptance tests in order; cubes over segments of 4096 values of each lane's draw row
+//! sum the residual's and `p`'s weights; one cube per lane walks the segments in order, then
+//! inside the chosen one warps, threads and values.
 //!
 //! Every sum has a fixed order (per-thread in index order, warps by a fixed butterfly, warps in
 //! order), so a lane's outcome depends only on its rows and words.
@@ -36,6 +37,12 @@ const UNROLL: usize = 4;
 const BUCKETS: usize = 16;
 /// No index.
 const NONE: u32 = 0xFFFF_FFFF;
+/// Threads of a cube of the draw's launches.
+const DRAW_THREADS: usize = 256;
+/// Values each of those threads covers in a segment.
+const PER_THREAD: usize = 16;
+/// Values of a draw row one cube of the partial sums covers: 38 for a 151 936-wide row.
+const SEGMENT: usize = DRAW_THREADS * PER_THREAD;
 
 /// The order-preserving key of an f32 (NaN as −∞, −0 as +0), as [`crate::accept::key`].
 #[cube]
@@ -479,11 +486,11 @@ fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mu
     }
 }
 
-/// Second launch: cube `l` decides lane `l` (words `l·stride ..`, see
-/// [`crate::accept::accept_words`]) and writes `(accepted, token)` at `out[2l..]`.
+/// Second launch: lane `l`'s acceptance tests in order (thread 0 of cube `l`), writing the
+/// accepted count and whether a residual draw follows at `decision[2l..]`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn accept_lane_kernel(
+fn accept_tests_kernel(
     p: &[f32],
     q: &[f32],
     words: &[i32],
@@ -491,26 +498,17 @@ fn accept_lane_kernel(
     p_u: &[u32],
     q_f: &[f64],
     q_u: &[u32],
-    out: &mut [i32],
+    decision: &mut [u32],
     width: u32,
     stride: u32,
 ) {
     let lane_id = CUBE_POS_X as usize;
-    let tid = UNIT_POS as usize;
-    let width = width as usize;
-    let at = lane_id * (stride as usize);
-    let p_row = u32::cast_from(words[at]) as usize;
-    let q_row = u32::cast_from(words[at + 1]) as usize;
-    let m = u32::cast_from(words[at + 2]) as usize;
-
-    let lane = tid % 32;
-    let warp = tid / 32;
-    let mut decided = Shared::<[u32]>::new_slice(4usize);
-    let mut per_thread = Shared::<[f64]>::new_slice(THREADS);
-    let mut per_warp = Shared::<[f64]>::new_slice(WARPS);
-
-    // 1. The acceptance tests, in order.
-    if tid == 0 {
+    if UNIT_POS == 0 {
+        let width = width as usize;
+        let at = lane_id * (stride as usize);
+        let p_row = u32::cast_from(words[at]) as usize;
+        let q_row = u32::cast_from(words[at + 1]) as usize;
+        let m = u32::cast_from(words[at + 2]) as usize;
         let mut c = 0usize;
         let mut going = true;
         for j in 0..m {
@@ -528,92 +526,234 @@ fn accept_lane_kernel(
                 }
             }
         }
-        decided[0] = c as u32;
-        decided[1] = 0u32;
+        decision[2 * lane_id] = c as u32;
+        decision[2 * lane_id + 1] = 0u32;
         if c < m {
-            decided[1] = 1u32;
+            decision[2 * lane_id + 1] = 1u32;
+        }
+    }
+}
+
+/// The draw's weight of token `i`: `p_i`, or the residual `max(0, p_i − q_i)`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn draw_weight(
+    p: &[f32],
+    q: &[f32],
+    p_f: &[f64],
+    p_u: &[u32],
+    q_f: &[f64],
+    q_u: &[u32],
+    pr: usize,
+    qr: usize,
+    i: usize,
+    width: usize,
+    residual: bool,
+) -> f64 {
+    let mut w = prob(p[pr * width + i], i as u32, p_f, p_u, pr);
+    if residual {
+        w -= prob(q[qr * width + i], i as u32, q_f, q_u, qr);
+        if !(w > 0.0f64) {
+            w = 0.0f64;
+        }
+    }
+    w
+}
+
+/// Third launch: cube `(s, l)` sums segment `s` of lane `l`'s draw row: the residual's weights
+/// (when the lane rejected a draft) at `part_r[l·segs + s]` and `p`'s at `part_p[l·segs + s]`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn draw_partial_kernel(
+    p: &[f32],
+    q: &[f32],
+    words: &[i32],
+    p_f: &[f64],
+    p_u: &[u32],
+    q_f: &[f64],
+    q_u: &[u32],
+    decision: &[u32],
+    part_r: &mut [f64],
+    part_p: &mut [f64],
+    width: u32,
+    stride: u32,
+) {
+    let seg = CUBE_POS_X as usize;
+    let segs = CUBE_COUNT_X as usize;
+    let lane_id = CUBE_POS_Y as usize;
+    let tid = UNIT_POS as usize;
+    let lane = tid % 32;
+    let width = width as usize;
+    let at = lane_id * (stride as usize);
+    let c = decision[2 * lane_id] as usize;
+    let residual = decision[2 * lane_id + 1] == 1u32;
+    let pr = u32::cast_from(words[at]) as usize + c;
+    let qr = u32::cast_from(words[at + 1]) as usize + c;
+    let start = seg * SEGMENT;
+    let mut sr = 0.0f64;
+    let mut sp = 0.0f64;
+    #[unroll]
+    for j in 0..PER_THREAD {
+        let i = start + j * DRAW_THREADS + tid;
+        if i < width {
+            let pp = prob(p[pr * width + i], i as u32, p_f, p_u, pr);
+            sp += pp;
+            if residual {
+                let r = pp - prob(q[qr * width + i], i as u32, q_f, q_u, qr);
+                if r > 0.0f64 {
+                    sr += r;
+                }
+            }
+        }
+    }
+    let mut sums_r = Shared::<[f64]>::new_slice(DRAW_THREADS / 32);
+    let mut sums_p = Shared::<[f64]>::new_slice(DRAW_THREADS / 32);
+    let wr = warp_sum(sr);
+    let wp = warp_sum(sp);
+    if lane == 0 {
+        sums_r[tid / 32] = wr;
+        sums_p[tid / 32] = wp;
+    }
+    sync_cube();
+    if tid == 0 {
+        let mut tr = 0.0f64;
+        let mut tp = 0.0f64;
+        for w in 0..DRAW_THREADS / 32 {
+            tr += sums_r[w];
+            tp += sums_p[w];
+        }
+        part_r[lane_id * segs + seg] = tr;
+        part_p[lane_id * segs + seg] = tp;
+    }
+}
+
+/// Fourth launch: cube `l` draws lane `l`'s token. Thread 0 takes the residual (or `p` when the
+/// lane accepted everything or the residual's mass is at most [`RESIDUAL_FLOOR`]) and walks the
+/// segments' sums in order; inside the chosen segment each thread sums its 16 consecutive values,
+/// and thread 0 walks warps, threads, then values. Writes `(accepted, token)` at `out[2l..]`.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn draw_walk_kernel(
+    p: &[f32],
+    q: &[f32],
+    words: &[i32],
+    p_f: &[f64],
+    p_u: &[u32],
+    q_f: &[f64],
+    q_u: &[u32],
+    decision: &[u32],
+    part_r: &[f64],
+    part_p: &[f64],
+    out: &mut [i32],
+    width: u32,
+    stride: u32,
+    segs: u32,
+) {
+    let lane_id = CUBE_POS_X as usize;
+    let tid = UNIT_POS as usize;
+    let lane = tid % 32;
+    let width = width as usize;
+    let segs = segs as usize;
+    let at = lane_id * (stride as usize);
+    let c = decision[2 * lane_id] as usize;
+    let pr = u32::cast_from(words[at]) as usize + c;
+    let qr = u32::cast_from(words[at + 1]) as usize + c;
+    // Slot 0: the chosen segment; 1: the residual is drawn from; 2: a draw happens. Slot 0 of
+    // `target`: the goal inside the chosen segment.
+    let mut chosen = Shared::<[u32]>::new_slice(3usize);
+    let mut target = Shared::<[f64]>::new_slice(1usize);
+    let mut per_thread = Shared::<[f64]>::new_slice(DRAW_THREADS);
+    let mut per_warp = Shared::<[f64]>::new_slice(DRAW_THREADS / 32);
+    if tid == 0 {
+        chosen[0] = 0u32;
+        chosen[1] = 0u32;
+        chosen[2] = 0u32;
+        target[0] = 0.0f64;
+        let mut use_r = decision[2 * lane_id + 1] == 1u32;
+        if use_r {
+            let mut mass = 0.0f64;
+            for s in 0..segs {
+                mass += part_r[lane_id * segs + s];
+            }
+            if !(mass > RESIDUAL_FLOOR) {
+                use_r = false;
+            }
+        }
+        let mut total = 0.0f64;
+        for s in 0..segs {
+            if use_r {
+                total += part_r[lane_id * segs + s];
+            } else {
+                total += part_p[lane_id * segs + s];
+            }
+        }
+        if total > 0.0f64 {
+            let goal = coin_at(words, at + LANE_HEADER + ENTRY_WORDS * c + 3) * total;
+            let mut running = 0.0f64;
+            let mut found = false;
+            let mut pick = 0usize;
+            let mut last = 0usize;
+            let mut local = f64::new(f32::INFINITY);
+            for s in 0..segs {
+                let mut w = part_p[lane_id * segs + s];
+                if use_r {
+                    w = part_r[lane_id * segs + s];
+                }
+                let before = running;
+                running += w;
+                if w > 0.0f64 {
+                    last = s;
+                }
+                if !found && running > goal && w > 0.0f64 {
+                    found = true;
+                    pick = s;
+                    local = goal - before;
+                }
+            }
+            if !found {
+                pick = last;
+            }
+            chosen[0] = pick as u32;
+            chosen[2] = 1u32;
+            target[0] = local;
+            if use_r {
+                chosen[1] = 1u32;
+            }
         }
     }
     sync_cube();
-    let c = decided[0] as usize;
-    let pr = p_row + c;
-    let qr = q_row + c;
-    let chunk = width.div_ceil(THREADS);
-    let first = tid * chunk;
-
-    // 2. Each thread's chunk sum of the draw's weights: the residual, else p.
-    let mut residual = decided[1] == 1u32;
+    let draws = chosen[2] == 1u32;
+    let residual = chosen[1] == 1u32;
+    let start = chosen[0] as usize * SEGMENT;
     let mut sum = 0.0f64;
-    for j in 0..chunk {
-        let i = first + j;
-        if i < width {
-            let mut w = prob(p[pr * width + i], i as u32, p_f, p_u, pr);
-            if residual {
-                w -= prob(q[qr * width + i], i as u32, q_f, q_u, qr);
-                if !(w > 0.0f64) {
-                    w = 0.0f64;
-                }
+    if draws {
+        #[unroll]
+        for j in 0..PER_THREAD {
+            let i = start + tid * PER_THREAD + j;
+            if i < width {
+                sum += draw_weight(p, q, p_f, p_u, q_f, q_u, pr, qr, i, width, residual);
             }
-            sum += w;
         }
     }
     per_thread[tid] = sum;
     sync_cube();
-    // Warps' sums, each over its threads in order.
     if lane == 0 {
         let mut w = 0.0f64;
         for l in 0..32usize {
             w += per_thread[tid + l];
         }
-        per_warp[warp] = w;
+        per_warp[tid / 32] = w;
     }
     sync_cube();
-    if tid == 0 && residual {
-        let mut total = 0.0f64;
-        for w in 0..WARPS {
-            total += per_warp[w];
-        }
-        if !(total > RESIDUAL_FLOOR) {
-            decided[1] = 0u32;
-        }
-    }
-    sync_cube();
-    if residual && decided[1] == 0u32 {
-        // The residual is negligible: draw from p.
-        residual = false;
-        let mut again = 0.0f64;
-        for j in 0..chunk {
-            let i = first + j;
-            if i < width {
-                again += prob(p[pr * width + i], i as u32, p_f, p_u, pr);
-            }
-        }
-        per_thread[tid] = again;
-        sync_cube();
-        if lane == 0 {
-            let mut w = 0.0f64;
-            for l in 0..32usize {
-                w += per_thread[tid + l];
-            }
-            per_warp[warp] = w;
-        }
-    }
-    sync_cube();
-
-    // 3. Thread 0 walks the warps in order, that warp's threads, then the chosen chunk's values.
     if tid == 0 {
-        let mut total = 0.0f64;
-        for w in 0..WARPS {
-            total += per_warp[w];
-        }
         let mut token = i32::cast_from(p_u[4 * pr + 3]);
-        if total > 0.0f64 {
-            let mut goal = coin_at(words, at + LANE_HEADER + ENTRY_WORDS * c + 3) * total;
+        if draws {
+            let mut goal = target[0];
             let mut running = 0.0f64;
             let mut found = false;
             let mut wpick = 0usize;
             let mut wlast = 0usize;
-            for w in 0..WARPS {
+            for w in 0..DRAW_THREADS / 32 {
                 let weight = per_warp[w];
                 let before = running;
                 running += weight;
@@ -654,19 +794,13 @@ fn accept_lane_kernel(
             }
             running = 0.0f64;
             found = false;
-            let start = pick * chunk;
-            let mut index = start;
-            let mut ilast = start;
-            for j in 0..chunk {
-                let i = start + j;
+            let first = start + pick * PER_THREAD;
+            let mut index = first;
+            let mut ilast = first;
+            for j in 0..PER_THREAD {
+                let i = first + j;
                 if i < width {
-                    let mut w = prob(p[pr * width + i], i as u32, p_f, p_u, pr);
-                    if residual {
-                        w -= prob(q[qr * width + i], i as u32, q_f, q_u, qr);
-                        if !(w > 0.0f64) {
-                            w = 0.0f64;
-                        }
-                    }
+                    let w = draw_weight(p, q, p_f, p_u, q_f, q_u, pr, qr, i, width, residual);
                     running += w;
                     if w > 0.0f64 {
                         ilast = i;
@@ -749,30 +883,82 @@ fn launch(p: CubeTensor, q: CubeTensor, rows: CubeTensor, lanes: CubeTensor) -> 
     } else {
         (p_f.clone(), p_u.clone())
     };
+    let fresh = |len: usize, dtype: DType| {
+        burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+            client.clone(),
+            p.device.clone(),
+            [len].into(),
+            dtype,
+        )
+    };
+    let segs = width.div_ceil(SEGMENT);
+    let decision = fresh(2 * count, DType::U32);
+    let part_r = fresh(count * segs, DType::F64);
+    let part_p = fresh(count * segs, DType::F64);
     let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         client.clone(),
         p.device.clone(),
         [count, 2].into(),
         DType::I32,
     );
-    // SAFETY: cube l reads words `l·stride .. (l+1)·stride` (the caller checked the shapes and
-    // that every lane's rows lie inside `p` and `q` and its drafts below `width`), rows of `p`,
-    // `q` and their statistics named there, and writes `out[2l], out[2l + 1]`.
+    // SAFETY: every use below passes a buffer's own length.
+    let rows_of = |h: &cubecl::server::Handle, n: usize| unsafe { BufferArg::from_raw_parts(h.clone(), n) };
+    // SAFETY: cube l (and cubes (s, l)) read words `l·stride .. (l+1)·stride` (the caller
+    // checked the shapes and that every lane's rows lie inside `p` and `q` and its drafts below
+    // `width`), the rows of `p` and `q` and their statistics named there, and segment s of one
+    // row; they write `decision[2l..2l+2]`, slot `l·segs + s` of each part, and `out[2l..2l+2]`,
+    // all sized for `count` lanes.
     unsafe {
-        accept_lane_kernel::launch_unchecked(
+        accept_tests_kernel::launch_unchecked(
             &client,
             CubeCount::Static(count as u32, 1, 1),
-            CubeDim::new_1d(THREADS as u32),
-            BufferArg::from_raw_parts(p.handle.clone(), p_rows * width),
-            BufferArg::from_raw_parts(q_buf, q_len * width),
-            BufferArg::from_raw_parts(lanes.handle.clone(), count * stride),
-            BufferArg::from_raw_parts(p_f.handle.clone(), 3 * p_rows),
-            BufferArg::from_raw_parts(p_u.handle.clone(), 4 * p_rows),
-            BufferArg::from_raw_parts(q_f.handle.clone(), 3 * q_len),
-            BufferArg::from_raw_parts(q_u.handle.clone(), 4 * q_len),
-            BufferArg::from_raw_parts(out.handle.clone(), 2 * count),
+            CubeDim::new_1d(32),
+            rows_of(&p.handle, p_rows * width),
+            rows_of(&q_buf, q_len * width),
+            rows_of(&lanes.handle, count * stride),
+            rows_of(&p_f.handle, 3 * p_rows),
+            rows_of(&p_u.handle, 4 * p_rows),
+            rows_of(&q_f.handle, 3 * q_len),
+            rows_of(&q_u.handle, 4 * q_len),
+            rows_of(&decision.handle, 2 * count),
             width as u32,
             stride as u32,
+        );
+        draw_partial_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(segs as u32, count as u32, 1),
+            CubeDim::new_1d(DRAW_THREADS as u32),
+            rows_of(&p.handle, p_rows * width),
+            rows_of(&q_buf, q_len * width),
+            rows_of(&lanes.handle, count * stride),
+            rows_of(&p_f.handle, 3 * p_rows),
+            rows_of(&p_u.handle, 4 * p_rows),
+            rows_of(&q_f.handle, 3 * q_len),
+            rows_of(&q_u.handle, 4 * q_len),
+            rows_of(&decision.handle, 2 * count),
+            rows_of(&part_r.handle, count * segs),
+            rows_of(&part_p.handle, count * segs),
+            width as u32,
+            stride as u32,
+        );
+        draw_walk_kernel::launch_unchecked(
+            &client,
+            CubeCount::Static(count as u32, 1, 1),
+            CubeDim::new_1d(DRAW_THREADS as u32),
+            rows_of(&p.handle, p_rows * width),
+            rows_of(&q_buf, q_len * width),
+            rows_of(&lanes.handle, count * stride),
+            rows_of(&p_f.handle, 3 * p_rows),
+            rows_of(&p_u.handle, 4 * p_rows),
+            rows_of(&q_f.handle, 3 * q_len),
+            rows_of(&q_u.handle, 4 * q_len),
+            rows_of(&decision.handle, 2 * count),
+            rows_of(&part_r.handle, count * segs),
+            rows_of(&part_p.handle, count * segs),
+            rows_of(&out.handle, 2 * count),
+            width as u32,
+            stride as u32,
+            segs as u32,
         );
     }
     out
