@@ -1471,17 +1471,27 @@ fn chain_accept_follows_the_target() {
     }
     let kept = pd.iter().filter(|&&x| x > 0.0).count();
     assert!(kept > 5 && kept <= top_k, "{kept} tokens kept");
-    let mut chi2 = 0.0;
+    // χ² over the kept tokens, those expected fewer than 5 times pooled into one bin.
+    let (mut chi2, mut bins) = (0.0, 0usize);
+    let (mut pooled_seen, mut pooled_expected) = (0.0, 0.0);
     for (i, &c) in counts.iter().enumerate() {
         let expected = n as f64 * pd[i];
         if pd[i] == 0.0 {
             assert_eq!(c, 0, "token {i} is outside top-k/top-p but was committed {c} times");
-            continue;
+        } else if expected < 5.0 {
+            pooled_seen += c as f64;
+            pooled_expected += expected;
+        } else {
+            chi2 += (c as f64 - expected).powi(2) / expected;
+            bins += 1;
         }
-        chi2 += (c as f64 - expected).powi(2) / expected;
     }
-    // χ² with kept − 1 degrees of freedom: mean kept − 1, sd √(2(kept − 1)); 6 sd is far out.
-    let df = (kept - 1) as f64;
-    println!("chain_accept: χ² {chi2:.1} on {df} df over {kept} kept tokens");
+    if pooled_expected > 0.0 {
+        chi2 += (pooled_seen - pooled_expected).powi(2) / pooled_expected;
+        bins += 1;
+    }
+    // χ² with bins − 1 degrees of freedom: mean bins − 1, sd √(2(bins − 1)); 6 sd is far out.
+    let df = (bins - 1) as f64;
+    println!("chain_accept: χ² {chi2:.1} on {df} df over {kept} kept tokens ({bins} bins)");
     assert!(chi2 < df + 6.0 * (2.0 * df).sqrt(), "χ² {chi2} on {df} df");
 }

@@ -24,7 +24,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::fused::{better, warp_best};
-use super::sample::warp_sum;
+use super::sample::{walk_slots, warp_sum};
 use crate::accept::{ENTRY_WORDS, LANE_HEADER, RESIDUAL_FLOOR};
 
 /// Threads of a cube (both launches).
@@ -748,52 +748,11 @@ fn draw_walk_kernel(
     if tid == 0 {
         let mut token = i32::cast_from(p_u[4 * pr + 3]);
         if draws {
-            let mut goal = target[0];
+            // Warps, then the threads of that warp.
+            let (wpick, in_warp) = walk_slots(&per_warp, 0, DRAW_THREADS / 32, target[0]);
+            let (pick, goal) = walk_slots(&per_thread, wpick * 32, 32, in_warp);
             let mut running = 0.0f64;
             let mut found = false;
-            let mut wpick = 0usize;
-            let mut wlast = 0usize;
-            for w in 0..DRAW_THREADS / 32 {
-                let weight = per_warp[w];
-                let before = running;
-                running += weight;
-                if weight > 0.0f64 {
-                    wlast = w;
-                }
-                if !found && running > goal && weight > 0.0f64 {
-                    found = true;
-                    wpick = w;
-                    goal -= before;
-                }
-            }
-            if !found {
-                wpick = wlast;
-                goal = f64::new(f32::INFINITY);
-            }
-            running = 0.0f64;
-            found = false;
-            let mut pick = wpick * 32;
-            let mut last = wpick * 32;
-            for l in 0..32usize {
-                let th = wpick * 32 + l;
-                let weight = per_thread[th];
-                let before = running;
-                running += weight;
-                if weight > 0.0f64 {
-                    last = th;
-                }
-                if !found && running > goal && weight > 0.0f64 {
-                    found = true;
-                    pick = th;
-                    goal -= before;
-                }
-            }
-            if !found {
-                pick = last;
-                goal = f64::new(f32::INFINITY);
-            }
-            running = 0.0f64;
-            found = false;
             let first = start + pick * PER_THREAD;
             let mut index = first;
             let mut ilast = first;

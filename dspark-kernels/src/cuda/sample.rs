@@ -55,6 +55,36 @@ pub(crate) fn warp_sum(v: f64) -> f64 {
     s
 }
 
+/// The walk of a draw over `count` slots `w[first ..]` in order: the first slot whose running
+/// sum exceeds `goal` with a positive weight, and the goal left inside it; when rounding leaves
+/// `goal` unreached, the last positive slot (`first` if none) and an infinite goal, so that the
+/// walk inside it takes its last positive weight too.
+#[cube]
+pub(crate) fn walk_slots(w: &Shared<[f64]>, first: usize, count: usize, goal: f64) -> (usize, f64) {
+    let mut running = 0.0f64;
+    let mut found = false;
+    let mut pick = first;
+    let mut last = first;
+    let mut left = f64::new(f32::INFINITY);
+    for k in 0..count {
+        let weight = w[first + k];
+        let before = running;
+        running += weight;
+        if weight > 0.0f64 {
+            last = first + k;
+        }
+        if !found && running > goal && weight > 0.0f64 {
+            found = true;
+            pick = first + k;
+            left = goal - before;
+        }
+    }
+    if !found {
+        pick = last;
+    }
+    (pick, left)
+}
+
 /// First launch: cube `(s, r)` writes segment `s` of row `r`'s maximum, its lowest index
 /// ([`NONE`] when no value exceeds −∞) and, for a sampling row, the f64 sum of its weights
 /// relative to that maximum, at slot `r·segs + s`.
@@ -281,61 +311,13 @@ fn draw_merge_kernel(
             result = best as i32;
         }
         if sampling {
-            // Warps.
-            let mut goal = target[0];
+            // Warps, then the threads of that warp.
+            let (wpick, in_warp) = walk_slots(&per_warp, 0, THREADS / 32, target[0]);
+            let (tpick, in_thread) = walk_slots(&per_thread, wpick * 32, 32, in_warp);
+            let goal = in_thread;
+            // That thread's values.
             let mut running = 0.0f64;
             let mut found = false;
-            let mut wpick = 0usize;
-            let mut wbase = 0.0f64;
-            let mut last = 0usize;
-            for w in 0..THREADS / 32 {
-                let weight = per_warp[w];
-                let before = running;
-                running += weight;
-                if weight > 0.0f64 {
-                    last = w;
-                }
-                if !found && running > goal && weight > 0.0f64 {
-                    found = true;
-                    wpick = w;
-                    wbase = before;
-                }
-            }
-            if found {
-                goal -= wbase;
-            } else {
-                wpick = last;
-                goal = f64::new(f32::INFINITY);
-            }
-            // Threads of that warp.
-            running = 0.0f64;
-            found = false;
-            let mut tpick = wpick * 32;
-            let mut tbase = 0.0f64;
-            let mut tlast = wpick * 32;
-            for l in 0..32usize {
-                let th = wpick * 32 + l;
-                let weight = per_thread[th];
-                let before = running;
-                running += weight;
-                if weight > 0.0f64 {
-                    tlast = th;
-                }
-                if !found && running > goal && weight > 0.0f64 {
-                    found = true;
-                    tpick = th;
-                    tbase = before;
-                }
-            }
-            if found {
-                goal -= tbase;
-            } else {
-                tpick = tlast;
-                goal = f64::new(f32::INFINITY);
-            }
-            // That thread's values.
-            running = 0.0f64;
-            found = false;
             let first = start + tpick * PER_THREAD;
             let mut index = first;
             let mut ilast = first;
