@@ -228,9 +228,11 @@ pub fn row_distribution(x: &[f32], temperature: f32, top_k: usize, top_p: f32) -
     out
 }
 
-/// Inverse-CDF draw on unnormalised weights (see the module docs); `None` when no weight is
-/// positive.
-fn draw(weights: &[f64], v: f64) -> Option<u32> {
+/// Inverse-CDF draw on unnormalised weights: the first index whose running sum exceeds
+/// `v · Σ weights` with a positive weight; the last positive weight when rounding leaves `v · Σ`
+/// unreached; `None` when the sum is not positive or not a number. The rule of every draw in
+/// this crate and in the host passes.
+pub fn draw_weights(weights: &[f64], v: f64) -> Option<u32> {
     let total: f64 = weights.iter().sum();
     if total.is_nan() || total <= 0.0 {
         return None;
@@ -274,9 +276,9 @@ pub fn accept_lane(p: &[f32], q: &[f32], width: usize, lane: &AcceptLane) -> (us
         let qc = proposal(c);
         let residual: Vec<f64> = pc.iter().zip(&qc).map(|(a, b)| (a - b).max(0.0)).collect();
         let mass: f64 = residual.iter().sum();
-        draw(if mass > RESIDUAL_FLOOR { &residual } else { &pc }, v)
+        draw_weights(if mass > RESIDUAL_FLOOR { &residual } else { &pc }, v)
     } else {
-        draw(&pc, v)
+        draw_weights(&pc, v)
     };
     let fallback = pc.iter().position(|&x| x > 0.0).unwrap_or(0) as u32;
     (c, token.unwrap_or(fallback))

@@ -111,25 +111,10 @@ pub fn argmax(values: &[f32]) -> u32 {
 
 /// Inverse-CDF draw on unnormalised non-negative weights: the first index whose running sum
 /// exceeds `u · Σ weights`. Falls back to the last positive weight when rounding leaves `u · Σ`
-/// unreached; `None` when every weight is zero.
+/// unreached; `None` when every weight is zero. The device kernels' host bodies use the same rule
+/// ([`dspark_kernels::accept::draw_weights`]).
 pub fn sample_weights(weights: &[f64], u: f64) -> Option<u32> {
-    let total: f64 = weights.iter().sum();
-    if total.is_nan() || total <= 0.0 {
-        return None;
-    }
-    let target = u * total;
-    let mut running = 0.0;
-    let mut last_positive = None;
-    for (i, &w) in weights.iter().enumerate() {
-        if w > 0.0 {
-            last_positive = Some(i as u32);
-        }
-        running += w;
-        if running > target && w > 0.0 {
-            return Some(i as u32);
-        }
-    }
-    last_positive
+    dspark_kernels::accept::draw_weights(weights, u)
 }
 
 /// The distribution the target samples from: `softmax(logits / T)` restricted by top-k, then
