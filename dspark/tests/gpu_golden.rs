@@ -683,3 +683,60 @@ fn cuda_bf16_trained_pair_sampled_device_acceptance_equals_the_host_chain() {
     );
     assert!(accepted > 20 && rejected > 20, "both outcomes exercised");
 }
+
+#[test]
+fn cuda_bf16_target_only_sampled_tokens_drawn_on_the_device_follow_the_host_rule() {
+    // Target-only decoding draws on the device (`chain_accept` without drafts) where the kernels
+    // run. Replayed on the host — one forward over the prompt and the reply (the kernels are
+    // batch invariant, so every row has the bits decoding saw), then `sample_token` at each
+    // position — every token of every reply is the same: top-k, top-p, a greedy lane among
+    // sampled ones, batched.
+    use dspark::KvCache;
+    use dspark::sampling::sample_token;
+    let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
+    let target = || Qwen3::load(&models().join("tiny-code-qwen3"), opts()).unwrap();
+    let mut engine = Engine::new(target(), &EngineConfig::default()).unwrap();
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(models().join("report.json")).unwrap()).unwrap();
+    let cases = report["draft"]["eval"]["rust_crosscheck_T0"].as_array().unwrap().clone();
+    let settings = [(1.0f32, 0usize, 1.0f32), (0.8, 20, 0.9), (0.0, 0, 1.0), (0.6, 0, 0.8), (1.2, 5, 1.0)];
+    let requests: Vec<Request> = settings
+        .iter()
+        .enumerate()
+        .map(|(i, &(temperature, top_k, top_p))| Request {
+            prompt: serde_json::from_value(cases[i % 4]["prompt_ids"].clone()).unwrap(),
+            params: SamplingParams {
+                temperature,
+                top_k,
+                top_p,
+                seed: 40 + i as u64,
+                ..SamplingParams::greedy(32)
+            },
+        })
+        .collect();
+    let replies = engine.generate(&requests).unwrap();
+    let replay = target();
+    let mut cache = dspark::PagedKvCache::new(replay.kv_layout(16), 256 << 20, replay.device()).unwrap();
+    let vocab = replay.vocab_size();
+    for (i, (request, reply)) in requests.iter().zip(&replies).enumerate() {
+        assert_eq!(reply.tokens.len(), 32);
+        let seq = cache.allocate();
+        let mut tokens = request.prompt.clone();
+        tokens.extend_from_slice(&reply.tokens[..31]);
+        let rows = logit_rows(&replay, &mut cache, seq, &tokens);
+        let n = request.prompt.len();
+        let host: Vec<u32> = (0..32)
+            .map(|j| {
+                let r = n - 1 + j;
+                sample_token(&rows[r * vocab..(r + 1) * vocab], &request.params, n + j)
+            })
+            .collect();
+        let first = host.iter().zip(&reply.tokens).position(|(a, b)| a != b);
+        println!(
+            "cuda bf16 target-only sampled, request {i} ({:?}): first divergence from the host rule {first:?}",
+            settings[i]
+        );
+        assert_eq!(reply.tokens, host, "request {i}");
+        cache.free(seq).unwrap();
+    }
+}

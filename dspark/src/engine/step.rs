@@ -21,6 +21,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use burn::tensor::{Int, Tensor, TensorData};
+
 use super::core::{
     BatchStats, Engine, FinishReason, Generation, GenerationStats, Live, Request, RequestId, StepEvent,
     StepOutput, TokenEvent, Waiting, read_f32, read_ids,
@@ -28,7 +30,61 @@ use super::core::{
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, PoolState};
 use crate::model::{LogitRows, SeqChunk};
-use crate::sampling::{SamplingParams, sample_token};
+use crate::sampling::{SamplingParams, Stream, coin, sample_token};
+
+/// One token per listed logits row, as [`sample_token`] draws it: lane `i` from row `rows[i]`
+/// with `params[i]` at absolute position `positions[i]` (greedy: the argmax). Where the kernels
+/// run only ids leave the device: the argmax when every lane is greedy, else
+/// [`dspark_kernels::chain_accept`] with no drafts (the same rule and coin, with top-k and top-p,
+/// up to f64 rounding).
+pub(super) fn draw_tokens(
+    logits: Tensor<2>,
+    rows: &[usize],
+    params: &[&SamplingParams],
+    positions: &[usize],
+) -> Result<Vec<u32>> {
+    let [count, vocab] = logits.dims();
+    if dspark_kernels::kernels_available(&logits.device()) {
+        if params.iter().all(|p| p.is_greedy()) {
+            let ids = read_ids(dspark_kernels::argmax_rows(logits))?;
+            return Ok(rows.iter().map(|&r| ids[r]).collect());
+        }
+        use dspark_kernels::accept::{AcceptLane, accept_words, lane_stride};
+        let lanes: Vec<AcceptLane> = rows
+            .iter()
+            .zip(params)
+            .zip(positions)
+            .map(|((&p_row, p), &position)| AcceptLane {
+                p_row,
+                q_row: 0,
+                drafts: Vec::new(),
+                // Temperature 0 makes the row one-hot at its argmax.
+                temperature: if p.is_greedy() { 0.0 } else { p.temperature },
+                top_k: p.top_k,
+                top_p: p.top_p,
+                accept_coins: Vec::new(),
+                draw_coins: vec![coin(p.seed, Stream::TargetSample, position)],
+            })
+            .collect();
+        // No proposal rows are read without drafts: one target row stands in.
+        let q = logits.clone().narrow(0, 0, 1);
+        let (row_words, words) = accept_words(&lanes, count, 1, 0);
+        let device = logits.device();
+        let row_words = Tensor::<1, Int>::from_data(TensorData::new(row_words, [3 * (count + 1)]), &device);
+        let words =
+            Tensor::<2, Int>::from_data(TensorData::new(words, [lanes.len(), lane_stride(0)]), &device);
+        let out = dspark_kernels::chain_accept(logits, q, row_words, words).reshape([2 * lanes.len()]);
+        let out = read_ids(out)?;
+        return Ok(out.chunks(2).map(|pair| pair[1]).collect());
+    }
+    let host = read_f32(logits)?;
+    Ok(rows
+        .iter()
+        .zip(params)
+        .zip(positions)
+        .map(|((&r, p), &position)| sample_token(&host[r * vocab..(r + 1) * vocab], p, position))
+        .collect())
+}
 
 impl Engine {
     /// Queue a request; it starts at a later [`Engine::step`] when it fits the KV budgets.
@@ -403,20 +459,29 @@ impl Engine {
         } else if self.draft.is_some() {
             return Err(Error::Backend("no features captured".into()));
         }
-        let vocab = self.target.vocab_size();
-        let host = match output.logits {
-            Some(t) => read_f32(t)?,
-            None => Vec::new(),
+        // Lanes whose prompt ends here draw their first token from their last row.
+        let drawing: Vec<(usize, usize)> = output
+            .logit_rows
+            .iter()
+            .enumerate()
+            .filter(|(_, rows)| !rows.is_empty())
+            .map(|(i, rows)| (first + i, rows.start))
+            .collect();
+        let tokens = match output.logits {
+            Some(logits) if !drawing.is_empty() => {
+                let params: Vec<&SamplingParams> =
+                    drawing.iter().map(|&(lane, _)| &self.running[lane].request.params).collect();
+                let positions: Vec<usize> =
+                    drawing.iter().map(|&(lane, _)| self.running[lane].request.prompt.len()).collect();
+                let rows: Vec<usize> = drawing.iter().map(|&(_, row)| row).collect();
+                draw_tokens(logits, &rows, &params, &positions)?
+            }
+            _ => Vec::new(),
         };
         let mut emits = Vec::new();
-        for (i, rows) in output.logit_rows.iter().enumerate() {
-            if rows.is_empty() {
-                continue;
-            }
-            let l = &mut self.running[first + i];
-            let r = rows.start;
-            let position = l.request.prompt.len();
-            l.next = sample_token(&host[r * vocab..(r + 1) * vocab], &l.request.params, position);
+        for (&(lane, _), &token) in drawing.iter().zip(&tokens) {
+            let l = &mut self.running[lane];
+            l.next = token;
             emits.push((l.id, l.next));
         }
         for (id, token) in emits {
@@ -437,23 +502,14 @@ impl Engine {
         let output = self.target.forward(&chunks, &[], &mut self.cache)?;
         self.stats.forward_passes += 1;
         let logits = output.logits.ok_or_else(|| Error::Backend("forward returned no logits".into()))?;
-        // Every lane greedy where the kernels run: only the argmax ids leave the device.
-        let greedy_ids = self.running.iter().all(|l| l.request.params.is_greedy())
-            && dspark_kernels::kernels_available(&logits.device());
-        let (host, ids) = if greedy_ids {
-            (Vec::new(), read_ids(dspark_kernels::argmax_rows(logits))?)
-        } else {
-            (read_f32(logits)?, Vec::new())
-        };
-        let vocab = self.target.vocab_size();
+        let params: Vec<&SamplingParams> = self.running.iter().map(|l| &l.request.params).collect();
+        let positions: Vec<usize> =
+            self.running.iter().map(|l| l.request.prompt.len() + l.tokens.len()).collect();
+        let rows: Vec<usize> = (0..self.running.len()).collect();
+        let tokens = draw_tokens(logits, &rows, &params, &positions)?;
         let mut emits = Vec::with_capacity(self.running.len());
-        for (row, l) in self.running.iter_mut().enumerate() {
-            let position = l.request.prompt.len() + l.tokens.len();
-            l.next = if greedy_ids {
-                ids[row]
-            } else {
-                sample_token(&host[row * vocab..(row + 1) * vocab], &l.request.params, position)
-            };
+        for (l, token) in self.running.iter_mut().zip(tokens) {
+            l.next = token;
             l.stats.rounds += 1;
             emits.push((l.id, l.next));
         }
