@@ -60,14 +60,15 @@ pub struct AcceptLane {
 }
 
 /// A coin in `[0, 1)` on the 2⁻⁵³ grid as two index words (high 26, low 27 bits).
+/// The packing of [`crate::reference::draw_words`], whose last two words these are.
 fn coin_words(u: f64) -> [i64; 2] {
-    let c = ((u.clamp(0.0, 1.0) * (1u64 << 53) as f64) as u64).min((1u64 << 53) - 1);
-    [(c >> 27) as i64, (c & ((1 << 27) - 1)) as i64]
+    let [_, hi, lo] = crate::reference::draw_words(1.0, u);
+    [hi, lo]
 }
 
 /// The coin two words carry (see [`coin_words`]).
 fn coin_of(hi: i64, lo: i64) -> f64 {
-    (((hi as u64) << 27) | (lo as u64 & ((1 << 27) - 1))) as f64 * (1.0 / (1u64 << 53) as f64)
+    crate::reference::draw_params([0, hi, lo]).1
 }
 
 /// A coin as the kernel sees it: on the 2⁻⁵³ grid.

@@ -1294,20 +1294,9 @@ fn uniforms(seed: u64) -> impl FnMut() -> f64 {
     }
 }
 
-/// Inverse-CDF draw from a distribution (first index whose running sum exceeds `u`).
+/// Inverse-CDF draw from a distribution, by the crate's rule.
 fn draw_from(dist: &[f64], u: f64) -> u32 {
-    let mut running = 0.0;
-    let mut last = 0;
-    for (i, &p) in dist.iter().enumerate() {
-        if p > 0.0 {
-            last = i;
-        }
-        running += p;
-        if running > u && p > 0.0 {
-            return i as u32;
-        }
-    }
-    last as u32
+    dspark_kernels::accept::draw_weights(dist, u).expect("a distribution with positive mass")
 }
 
 /// Run [`dspark_kernels::chain_accept`] on device rows and lanes; `(accepted, token)` per lane.

@@ -25,7 +25,7 @@ pub const ROW_SUM_TOLERANCE: f64 = 1e-4;
 
 /// Residual mass `Σ max(0, p − q)` at or below which a rejection samples `p` instead (DeepSpec's
 /// threshold).
-pub const RESIDUAL_FLOOR: f64 = 1e-8;
+pub use dspark_kernels::accept::RESIDUAL_FLOOR;
 
 /// The outcome of verifying one draft block.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -24,7 +24,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::fused::{better, warp_best};
-use super::sample::{walk_slots, warp_sum};
+use super::sample::{coin_at, walk_slots, warp_sum};
 use crate::accept::{ENTRY_WORDS, LANE_HEADER, RESIDUAL_FLOOR};
 
 /// Threads of a cube (both launches).
@@ -77,14 +77,6 @@ fn value_of(k: u32) -> f32 {
 #[cube]
 fn finite(v: f32) -> bool {
     v == v && v != f32::new(f32::INFINITY) && v != f32::new(f32::NEG_INFINITY)
-}
-
-/// A coin from two words (high 26, low 27 bits of a 53-bit grid).
-#[cube]
-fn coin_at(words: &[i32], at: usize) -> f64 {
-    let hi = f64::cast_from(words[at]);
-    let lo = f64::cast_from(words[at + 1]);
-    (hi * 134_217_728.0f64 + lo) * (1.0f64 / 9_007_199_254_740_992.0f64)
 }
 
 /// Probability of token `i` (value `v`) under a row's statistics: `f` = (M, S, T), `u` = (floor,

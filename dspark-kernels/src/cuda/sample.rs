@@ -38,8 +38,14 @@ fn temperature(draws: &[i32], row: usize) -> f32 {
 /// The coin of row `row`, `(hi · 2²⁷ + lo) / 2⁵³`.
 #[cube]
 fn coin(draws: &[i32], row: usize) -> f64 {
-    let hi = f64::cast_from(draws[3 * row + 1]);
-    let lo = f64::cast_from(draws[3 * row + 2]);
+    coin_at(draws, 3 * row + 1)
+}
+
+/// The coin of the two words at `at`, `(hi · 2²⁷ + lo) / 2⁵³`.
+#[cube]
+pub(crate) fn coin_at(words: &[i32], at: usize) -> f64 {
+    let hi = f64::cast_from(words[at]);
+    let lo = f64::cast_from(words[at + 1]);
     (hi * 134_217_728.0f64 + lo) * (1.0f64 / 9_007_199_254_740_992.0f64)
 }
 
