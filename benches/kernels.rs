@@ -60,6 +60,13 @@ struct Args {
     /// Only the `--plans` table (skip the host-timed bf16 and FP8 tables).
     #[arg(long)]
     plans_only: bool,
+    /// Also time the chosen plans with these weight blocks per cube forced (1, 2, 4 or 8; where
+    /// they do not fit, 1), in the `--plans` table (bf16 only).
+    #[arg(long, value_delimiter = ',')]
+    mtiles: Vec<usize>,
+    /// Only the matrices whose name contains one of these (all when empty).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 /// `(name, in, out)` of each weight.
@@ -75,6 +82,7 @@ fn matrices(shape: &str) -> Vec<(&'static str, usize, usize)> {
             ("down", 12_288, 4096),
             ("draft fc (5 layers)", 20_480, 4096),
             ("lm_head", 4096, 151_936),
+            ("markov W2 (rank 256)", 256, 151_936),
         ],
     }
 }
@@ -224,6 +232,9 @@ fn plans_table(args: &Args, device: &Device) {
     );
     println!("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|");
     for (name, inp, out) in matrices(&args.shape) {
+        if !args.only.is_empty() && !args.only.iter().any(|o| name.contains(o.as_str())) {
+            continue;
+        }
         let bytes = inp * out;
         let dense: Vec<Tensor<2>> = (0..args.rotate_bytes.div_ceil(2 * bytes).clamp(1, 16))
             .map(|_| random(out, inp, 0.02, device))
@@ -239,10 +250,19 @@ fn plans_table(args: &Args, device: &Device) {
             let x = random(rows, inp, 1.0, device);
             let want = dspark_kernels::reference::linear_f32(x.clone(), &dense[0]);
             let want_fp8 = fp8.first().map(|m| dspark_kernels::reference::linear_fp8(x.clone(), m));
-            let plans = std::iter::once(None).chain(args.plans.iter().copied().map(Some));
-            for plan in plans {
+            // (plan, blocks per cube): the chosen plan, each forced plan, then the chosen plan with
+            // each forced block count.
+            let runs = std::iter::once((None, None))
+                .chain(args.plans.iter().map(|&p| (Some(p), None)))
+                .chain(args.mtiles.iter().map(|&m| (None, Some(m))));
+            for (plan, mtiles) in runs {
                 dspark_kernels::force_plan(plan);
-                let label = plan.map_or("chosen".to_string(), |p| p.to_string());
+                dspark_kernels::force_mtiles(mtiles);
+                let label = match (plan, mtiles) {
+                    (Some(p), _) => p.to_string(),
+                    (None, Some(m)) => format!("chosen, {m} blocks/cube"),
+                    (None, None) => "chosen".to_string(),
+                };
                 let diff = max_rel_diff(dspark_kernels::linear(x.clone(), &dense[0]), want.clone());
                 let g = time_graphed(
                     |i| dspark_kernels::linear(x.clone(), &dense[i % dense.len()]),
@@ -274,6 +294,7 @@ fn plans_table(args: &Args, device: &Device) {
                 );
             }
             dspark_kernels::force_plan(None);
+            dspark_kernels::force_mtiles(None);
         }
     }
 }

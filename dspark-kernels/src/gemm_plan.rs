@@ -45,22 +45,42 @@ impl GemmPlan {
 
 impl GemmPlan {
     /// Blocks of 16 weight rows per cube of the bf16 kernel for `tiles` activation tiles of a
-    /// weight with `out` rows: 2 for 3–4 tiles (17–32 rows) where the weight still gives at
-    /// least one cube per SM of the H200 (132), else 1. Every activation row is fetched once per
-    /// cube from L2; at 24 rows that traffic is 1.5 times the weight's own bytes, and two blocks
-    /// per cube halve it. Measured on the H200 (2026-12-04): at 2 tiles two blocks cost more
-    /// than they save (16-row verify 1.53× the one-row step against 1.30×). Each block's sums
-    /// keep their order (see the kernel), so this may follow the number of rows. Past 4 tiles
-    /// the partial sums would not fit the cube's shared memory.
-    pub fn mtiles(self, tiles: usize, out: usize) -> usize {
+    /// weight with `out` rows and a reduction of `chunks` chunks.
+    ///
+    /// - 4 where each warp of a cube multiplies a single chunk (a Markov head's W2, rank 256:
+    ///   8 chunks, 151 936 rows) and 4 blocks fit: a cube of one block would do little more than
+    ///   start, sum its warps and write. Measured on the H200 (2026-12-04, `bench-kernels
+    ///   --mtiles`): 24.4 µs against 37.1 for one row, 26.3 against 36.9 for eight; 8 blocks
+    ///   took 35 µs.
+    /// - 2 for 3–4 tiles (17–32 rows) where the weight still gives at least one cube per SM of
+    ///   the H200 (132). Every activation row is fetched once per cube from L2; at 24 rows that
+    ///   traffic is 1.5 times the weight's own bytes, and two blocks per cube halve it. Measured
+    ///   on the H200 (2026-12-04): at 2 tiles two blocks cost more than they save (16-row verify
+    ///   1.53× the one-row step against 1.30×), and on the wide products of a layer 2, 4 or 8
+    ///   blocks at 1 and 8 rows are all slower than 1.
+    /// - 1 otherwise.
+    ///
+    /// Each block's sums keep their order (see the kernel), so this may follow the number of
+    /// rows. Past 8 (block, tile) pairs the partial sums would not fit the cube's shared memory.
+    pub fn mtiles(self, tiles: usize, out: usize, chunks: usize) -> usize {
         if let Some(forced) = *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) {
-            return if forced == 2 && (2..=4).contains(&tiles) && out.is_multiple_of(32) { 2 } else { 1 };
+            return if Self::blocks_fit(forced, tiles, out) { forced } else { 1 };
+        }
+        if chunks / self.splits.max(1) <= WARPS && Self::blocks_fit(4, tiles, out) && out / 64 >= 132 {
+            return 4;
         }
         if (3..=4).contains(&tiles) && out.is_multiple_of(32) && out / 32 * self.splits >= 132 {
             2
         } else {
             1
         }
+    }
+
+    /// Whether a cube may hold `mtiles` weight blocks for `tiles` activation tiles of a weight
+    /// with `out` rows: 1, 2, 4 or 8 blocks that divide the rows, and at most 8 (block, tile)
+    /// pairs, so the warps' partial sums fit the cube's shared memory (32 KiB).
+    pub fn blocks_fit(mtiles: usize, tiles: usize, out: usize) -> bool {
+        matches!(mtiles, 1 | 2 | 4 | 8) && out.is_multiple_of(16 * mtiles) && mtiles * tiles.max(1) <= 8
     }
 
     /// [`Self::unroll`] for a cube of `mtiles` weight blocks: the same weight bytes in flight
@@ -74,7 +94,8 @@ impl GemmPlan {
 /// the choice of [`GemmPlan::mtiles`]. For A/B benchmarks; results do not change (see there).
 static FORCED_MTILES: Mutex<Option<usize>> = Mutex::new(None);
 
-/// Forces the weight blocks per cube of the bf16 skinny GEMM (see [`GemmPlan::mtiles`]); `None`
+/// Forces the weight blocks per cube of the bf16 skinny GEMM where they [fit](GemmPlan::blocks_fit)
+/// (1 elsewhere; see [`GemmPlan::mtiles`]); `None`
 /// goes back to the choice per shape. Numerically neutral: for benchmarks.
 #[doc(hidden)]
 pub fn force_mtiles(mtiles: Option<usize>) {
@@ -200,16 +221,24 @@ mod tests {
     }
 
     #[test]
-    fn two_blocks_per_cube_only_for_two_to_four_tiles_of_wide_weights() {
+    fn blocks_per_cube_follow_the_tiles_and_the_reduction_length() {
         let p = |inp: usize, out: usize| chosen(Weights::Bf16, inp / 32, out);
         // o (cut in 2), fused qkv, gate+up, LM head: 2 blocks for 17–32 rows.
         for (inp, out) in [(4096, 4096), (4096, 6144), (4096, 24576), (4096, 151_936), (12288, 4096)] {
             let plan = p(inp, out);
-            assert_eq!([1, 2, 3, 4, 5, 8].map(|t| plan.mtiles(t, out)), [1, 1, 2, 2, 1, 1], "{inp} -> {out}");
+            let c = inp / 32;
+            assert_eq!(
+                [1, 2, 3, 4, 5, 8].map(|t| plan.mtiles(t, out, c)),
+                [1, 1, 2, 2, 1, 1],
+                "{inp} -> {out}"
+            );
         }
         // k/v (1024 rows, cut in 4: 128 cubes of two blocks) and a tiny weight stay at 1.
-        assert_eq!(p(4096, 1024).mtiles(3, 1024), 1);
-        assert_eq!(p(256, 768).mtiles(3, 768), 1);
+        assert_eq!(p(4096, 1024).mtiles(3, 1024, 128), 1);
+        assert_eq!(p(256, 768).mtiles(3, 768, 8), 1);
+        // A Markov W2 (rank 256: one chunk per warp): 4 blocks up to 2 tiles, then 2, then 1.
+        let w2 = p(256, 151_936);
+        assert_eq!([1, 2, 3, 4, 5].map(|t| w2.mtiles(t, 151_936, 8)), [4, 4, 2, 2, 1]);
         // The same weight bytes in flight.
         let plan = p(4096, 24576);
         assert_eq!([plan.unroll_with(2, 2), plan.unroll_with(3, 2), plan.unroll_with(1, 1)], [2, 1, 8]);

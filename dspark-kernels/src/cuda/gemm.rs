@@ -353,7 +353,7 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
         let tiles = n.div_ceil(8);
-        let mt = plan.mtiles(tiles, out);
+        let mt = plan.mtiles(tiles, out, inp / 32);
         // Row `start` of x and of y: byte offsets into the same buffers.
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
@@ -431,7 +431,7 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
         let tiles = n.div_ceil(8);
-        let mt = plan.mtiles(tiles, out);
+        let mt = plan.mtiles(tiles, out, inp / 32);
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * half * 2) as u64);
         // SAFETY: as in `launch_product` (no splits: `parts` is never touched, y's buffer stands
