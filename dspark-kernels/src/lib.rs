@@ -320,6 +320,28 @@ pub fn argmax_rows(x: Tensor<2>) -> Tensor<1, Int> {
     reference::argmax_rows(x)
 }
 
+/// [`argmax_rows`] of `f32(a[:, k, :]) + f32(b)`: a Markov step's greedy choice from its base
+/// logits (step `k` of `a`, `[rows, steps, width]`) and its bias `b` (`[rows, width]`), as the
+/// widening, the add and [`argmax_rows`] make it (the same index: the sums are the same f32
+/// values). On CUDA for bf16 inputs the sums are formed inside the argmax's first pass and never
+/// stored: two launches instead of four or five.
+///
+/// # Shapes
+/// `a`: `[rows, steps, width]`, `b`: `[rows, width]` → `[rows]`.
+pub fn argmax_sum_rows(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, Int> {
+    let [rows, steps, width] = a.dims();
+    assert!(k < steps, "argmax_sum_rows: step {k} of {steps}");
+    assert_eq!(b.dims(), [rows, width], "argmax_sum_rows: b is not [rows, width]");
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::fused::takes_argmax_sum(&a, &b) {
+        return cuda::fused::argmax_sum(a, k, b);
+    }
+    let f32 = |t: Tensor<2>| {
+        if t.dtype() == burn::tensor::DType::F32 { t } else { t.cast(burn::tensor::DType::F32) }
+    };
+    argmax_rows(f32(a.narrow(1, k, 1).reshape([rows, width])) + f32(b))
+}
+
 /// One draw per row from `softmax(x_r / T_r)` over the whole row (the draft's proposal in a
 /// sampled Markov step), or the argmax where `T_r = 0`, as [`reference::draw_row`] defines it.
 /// Row `r`'s temperature and coin are the three values `draws[3r .. 3r + 3]` made by

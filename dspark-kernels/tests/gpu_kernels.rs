@@ -1484,3 +1484,54 @@ fn chain_accept_follows_the_target() {
     println!("chain_accept: χ² {chi2:.1} on {df} df over {kept} kept tokens ({bins} bins)");
     assert!(chi2 < df + 6.0 * (2.0 * df).sqrt(), "χ² {chi2} on {df} df");
 }
+
+/// The argmax of a Markov step's sum `f32(a[:, k, :]) + f32(b)`, formed inside the argmax's first
+/// pass, against the widening, the add and the plain-burn argmax; with planted exact ties of the
+/// sum (different terms, one sum) and a NaN.
+#[test]
+fn argmax_sum_rows_matches_reference() {
+    let device = cuda();
+    for &(rows, steps, width) in
+        &[(1usize, 7usize, 151_936usize), (8, 7, 151_936), (3, 16, 8193), (16, 2, 1000)]
+    {
+        let a = random(rows * steps, width, 3.0, &device);
+        let b = random(rows, width, 1.0, &device);
+        let (mut ah, mut bh) = (host(a), host(b));
+        for k in [0, steps - 1] {
+            // Row 0 at step k: the largest sum at two places, made of different terms (all exact
+            // in bf16).
+            let at = |col: usize| k * width + col;
+            let big = 64.0f32;
+            ah[at(7)] = big;
+            bh[7] = 2.0;
+            ah[at(width - 2)] = big + 2.0;
+            bh[width - 2] = 0.0;
+            ah[at(3)] = f32::NAN;
+        }
+        let a = Tensor::<2>::from_data(burn::tensor::TensorData::new(ah, [rows * steps, width]), &device)
+            .cast(DType::BF16)
+            .reshape([rows, steps, width]);
+        let b = Tensor::<2>::from_data(burn::tensor::TensorData::new(bh, [rows, width]), &device)
+            .cast(DType::BF16);
+        for k in [0, steps / 2, steps - 1] {
+            poison(rows * 2, &device);
+            let got = dspark_kernels::argmax_sum_rows(a.clone(), k, b.clone())
+                .into_data()
+                .convert::<i64>()
+                .try_to_vec::<i64>()
+                .unwrap();
+            let sum = a.clone().narrow(1, k, 1).reshape([rows, width]).cast(DType::F32)
+                + b.clone().cast(DType::F32);
+            let want = dspark_kernels::reference::argmax_rows(sum)
+                .into_data()
+                .convert::<i64>()
+                .try_to_vec::<i64>()
+                .unwrap();
+            assert_eq!(got, want, "argmax of sums, {rows} x {steps} x {width}, step {k}");
+            if k == 0 || k == steps - 1 {
+                assert_eq!(got[0], 7, "the lowest index of a tie of sums");
+            }
+        }
+        println!("argmax_sum_rows {rows} x {steps} x {width}: equal to the widened sum's argmax");
+    }
+}

@@ -1038,6 +1038,62 @@ fn argmax_partial_kernel(x: &[f32], part_v: &mut [f32], part_i: &mut [u32], widt
     }
 }
 
+/// [`argmax_partial_kernel`] over the f32 sums `f32(a[row, k, i]) + f32(b[row, i])` of two
+/// bf16 inputs, `a` `[rows, steps, width]` and `b` `[rows, width]` (a Markov step's base logits
+/// and its bias): the values the unfused widening and add give, never stored.
+#[cube(launch_unchecked)]
+#[allow(clippy::manual_is_multiple_of)] // cube code: `%` on the unit index
+fn argmax_sum_partial_kernel(
+    a: &[bf16],
+    b: &[bf16],
+    part_v: &mut [f32],
+    part_i: &mut [u32],
+    width: u32,
+    steps: u32,
+    k: u32,
+) {
+    let seg = CUBE_POS_X as usize;
+    let segs = CUBE_COUNT_X as usize;
+    let row = CUBE_POS_Y as usize;
+    let tid = UNIT_POS as usize;
+    let width = width as usize;
+    let a_base = (row * steps as usize + k as usize) * width;
+    let start = seg * ARGMAX_SEGMENT;
+    let mut best_v = f32::new(f32::NEG_INFINITY);
+    let mut best_i = 0xFFFF_FFFFu32;
+    #[unroll]
+    for j in 0..ARGMAX_PER_THREAD {
+        let i = start + j * ARGMAX_THREADS + tid;
+        if i < width {
+            let v = f32::cast_from(a[a_base + i]) + f32::cast_from(b[row * width + i]);
+            if v > best_v {
+                best_v = v;
+                best_i = i as u32;
+            }
+        }
+    }
+    let (wv, wi) = warp_best(best_v, best_i);
+    let mut values = Shared::<[f32]>::new_slice(ARGMAX_THREADS / 32);
+    let mut indices = Shared::<[u32]>::new_slice(ARGMAX_THREADS / 32);
+    if tid % 32 == 0 {
+        values[tid / 32] = wv;
+        indices[tid / 32] = wi;
+    }
+    sync_cube();
+    if tid == 0 {
+        let mut v = values[0];
+        let mut kk = indices[0];
+        #[unroll]
+        for w in 1..ARGMAX_THREADS / 32 {
+            let (nv, nk) = better(v, kk, values[w], indices[w]);
+            v = nv;
+            kk = nk;
+        }
+        part_v[row * segs + seg] = v;
+        part_i[row * segs + seg] = kk;
+    }
+}
+
 /// Second pass: one warp per row merges the row's `segs` candidates; 0 when there is none (no
 /// value exceeds −∞), as the host `argmax` of `dspark::sampling` answers.
 #[cube(launch_unchecked)]
@@ -1075,8 +1131,47 @@ pub(crate) fn takes_argmax(x: &Tensor<2>) -> bool {
         && on_cuda(x)
 }
 
+/// Argmax of `f32(a[:, k, :]) + f32(b)`: bf16 `a` `[rows, steps, width]` and `b`
+/// `[rows, width]` on CUDA (rows within a grid's y extent).
+pub(crate) fn takes_argmax_sum(a: &Tensor<3>, b: &Tensor<2>) -> bool {
+    let [rows, steps, width] = a.dims();
+    rows > 0
+        && rows <= 65_535
+        && steps > 0
+        && width > 0
+        && width < i32::MAX as usize
+        && b.dims() == [rows, width]
+        && a.dtype() == DType::BF16
+        && b.dtype() == DType::BF16
+        && matches!(a.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
+        && on_cuda(b)
+}
+
+/// The first pass of an argmax: which kernel fills the candidates.
+#[allow(clippy::large_enum_variant)] // one per call, moved once
+enum ArgmaxInput {
+    /// f32 rows `[rows, width]`.
+    Rows(CubeTensor),
+    /// `f32(a[:, k, :]) + f32(b)` for bf16 `a` `[rows, steps, width]`, `b` `[rows, width]`.
+    Sum(CubeTensor, CubeTensor, usize),
+}
+
 fn launch_argmax(x: CubeTensor) -> CubeTensor {
-    let x = burn_cubecl::kernel::into_contiguous(x);
+    launch_argmax_of(ArgmaxInput::Rows(x))
+}
+
+fn launch_argmax_of(input: ArgmaxInput) -> CubeTensor {
+    let input = match input {
+        ArgmaxInput::Rows(x) => ArgmaxInput::Rows(burn_cubecl::kernel::into_contiguous(x)),
+        ArgmaxInput::Sum(a, b, k) => ArgmaxInput::Sum(
+            burn_cubecl::kernel::into_contiguous(a),
+            burn_cubecl::kernel::into_contiguous(b),
+            k,
+        ),
+    };
+    let x = match &input {
+        ArgmaxInput::Rows(x) | ArgmaxInput::Sum(_, x, _) => x.clone(),
+    };
     let [rows, width] = [x.meta.shape()[0], x.meta.shape()[1]];
     let segs = width.div_ceil(ARGMAX_SEGMENT);
     let client = x.client.clone();
@@ -1098,16 +1193,35 @@ fn launch_argmax(x: CubeTensor) -> CubeTensor {
     // r of x (`rows·width` f32) and writes slot `r·segs + s` of each candidate section (`cand`
     // words each, after the `rows` results); the second pass reads row r's `segs` slots and
     // writes result r. The sections do not overlap and lie within the `rows + 2·cand` words.
+    // (With a sum, cube (s, r) reads the same elements of row r of `b` and of row (r, k) of
+    // `a`, `rows·steps·width` bf16.)
     unsafe {
-        argmax_partial_kernel::launch_unchecked(
-            &client,
-            CubeCount::Static(segs as u32, rows as u32, 1),
-            CubeDim::new_1d(ARGMAX_THREADS as u32),
-            BufferArg::from_raw_parts(x.handle.clone(), rows * width),
-            BufferArg::from_raw_parts(part_v.clone(), cand),
-            BufferArg::from_raw_parts(part_i.clone(), cand),
-            width as u32,
-        );
+        match &input {
+            ArgmaxInput::Rows(_) => argmax_partial_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static(segs as u32, rows as u32, 1),
+                CubeDim::new_1d(ARGMAX_THREADS as u32),
+                BufferArg::from_raw_parts(x.handle.clone(), rows * width),
+                BufferArg::from_raw_parts(part_v.clone(), cand),
+                BufferArg::from_raw_parts(part_i.clone(), cand),
+                width as u32,
+            ),
+            ArgmaxInput::Sum(a, b, k) => {
+                let steps = a.meta.shape()[1];
+                argmax_sum_partial_kernel::launch_unchecked(
+                    &client,
+                    CubeCount::Static(segs as u32, rows as u32, 1),
+                    CubeDim::new_1d(ARGMAX_THREADS as u32),
+                    BufferArg::from_raw_parts(a.handle.clone(), rows * steps * width),
+                    BufferArg::from_raw_parts(b.handle.clone(), rows * width),
+                    BufferArg::from_raw_parts(part_v.clone(), cand),
+                    BufferArg::from_raw_parts(part_i.clone(), cand),
+                    width as u32,
+                    steps as u32,
+                    *k as u32,
+                )
+            }
+        }
         argmax_merge_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
@@ -1143,4 +1257,31 @@ impl ArgmaxOps for CubeBackend {
 
 pub(crate) fn argmax(x: Tensor<2>) -> Tensor<1, burn::tensor::Int> {
     Tensor::from_dispatch(<Dispatch as ArgmaxOps>::argmax_rows(x.into_dispatch()))
+}
+
+/// The backend extension for the argmax of a sum.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait ArgmaxSumOps: burn::backend::Backend {
+    /// Lowest index of each row's maximum of `f32(a[:, k, :]) + f32(b)`, i32.
+    #[fusion(dtype = DType::I32, shape = rows_shape(b))]
+    fn argmax_sum_rows(
+        a: burn::backend::tensor::FloatTensor<Self>,
+        b: burn::backend::tensor::FloatTensor<Self>,
+        k: usize,
+    ) -> burn::backend::tensor::IntTensor<Self>;
+}
+
+impl ArgmaxSumOps for CubeBackend {
+    fn argmax_sum_rows(a: CubeTensor, b: CubeTensor, k: usize) -> CubeTensor {
+        launch_argmax_of(ArgmaxInput::Sum(a, b, k))
+    }
+}
+
+/// See [`crate::argmax_sum_rows`]; the caller checked [`takes_argmax_sum`].
+pub(crate) fn argmax_sum(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, burn::tensor::Int> {
+    Tensor::from_dispatch(<Dispatch as ArgmaxSumOps>::argmax_sum_rows(
+        a.into_dispatch(),
+        b.into_dispatch(),
+        k,
+    ))
 }

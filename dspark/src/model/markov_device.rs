@@ -169,7 +169,15 @@ impl DeviceMarkov {
         let lanes = base.dims()[0];
         let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
         for k in 0..gamma {
-            let t = dspark_kernels::argmax_rows(self.corrected(&prev, &base, k));
+            // The corrected row's argmax; with a Markov head its sum is formed inside the argmax
+            // (the same f32 values as `corrected`, never stored).
+            let t = match &self.w {
+                Some((w1, w2)) => {
+                    let bias = dspark_kernels::linear(w1.clone().select(0, prev.clone()), w2);
+                    dspark_kernels::argmax_sum_rows(base.clone(), k, bias)
+                }
+                None => dspark_kernels::argmax_rows(self.corrected(&prev, &base, k)),
+            };
             chosen.push(t.clone().reshape([lanes, 1]));
             prev = t;
         }
