@@ -1238,7 +1238,8 @@ fn sample_rows_follow_the_softmax() {
 #[test]
 fn skinny_gemm_two_blocks_per_cube_match_one() {
     // Two 16-row weight blocks per cube (9–32 rows) against one, forced: the same bits, for the
-    // plain product (uncut and cut in 2) and for the SwiGLU epilogue; and against float64.
+    // plain product (uncut and cut in 2) and for the SwiGLU epilogue; and against float64. Then
+    // four blocks on a Markov head's W2.
     let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let device = cuda();
     for &(inp, out) in &[(4096usize, 6144usize), (4096, 4096), (12288, 4096)] {
@@ -1262,6 +1263,25 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
             println!("two blocks per cube, {inp}->{out}, {rows} rows: bit-equal to one; rel err {err:.2e}");
             assert!(err < 4e-3, "rel err {err}");
         }
+    }
+    // Four blocks per cube, the choice for a Markov head's W2 (rank 256: one chunk per warp),
+    // against one: the same bits, up to two tiles (16 rows).
+    let (inp, out) = (256usize, 151_936usize);
+    let w = random(out, inp, 0.02, &device);
+    for rows in [1usize, 8, 16] {
+        let x = random(rows, inp, 1.0, &device);
+        let run = |mt: usize| {
+            dspark_kernels::force_mtiles(Some(mt));
+            poison(rows * out, &device);
+            let y = host(dspark_kernels::linear(x.clone(), &w));
+            dspark_kernels::force_mtiles(None);
+            y
+        };
+        let (one, four, chosen) = (run(1), run(4), host(dspark_kernels::linear(x.clone(), &w)));
+        assert!(one.iter().all(|v| v.is_finite()), "W2 output left unwritten");
+        assert!(one.iter().zip(&four).all(|(a, b)| a.to_bits() == b.to_bits()), "W2, {rows} rows");
+        assert!(one.iter().zip(&chosen).all(|(a, b)| a.to_bits() == b.to_bits()), "W2 chosen, {rows} rows");
+        println!("four blocks per cube, {inp}->{out}, {rows} rows: bit-equal to one");
     }
     let (inp, inter) = (4096usize, 12288usize);
     let paired =

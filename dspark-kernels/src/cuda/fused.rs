@@ -1169,6 +1169,7 @@ fn launch_argmax_of(input: ArgmaxInput) -> CubeTensor {
             k,
         ),
     };
+    // A `[rows, width]` tensor of the call for its shape, client and device (with a sum, `b`).
     let x = match &input {
         ArgmaxInput::Rows(x) | ArgmaxInput::Sum(_, x, _) => x.clone(),
     };
