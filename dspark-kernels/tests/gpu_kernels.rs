@@ -1242,22 +1242,22 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
     // four blocks on a Markov head's W2.
     let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let device = cuda();
+    // `f`'s output (`elems` values) with `mt` blocks per cube forced, over poisoned memory.
+    let forced = |mt: usize, elems: usize, f: &dyn Fn() -> Tensor<2>| {
+        dspark_kernels::force_mtiles(Some(mt));
+        poison(elems, &device);
+        let y = host(f());
+        dspark_kernels::force_mtiles(None);
+        y
+    };
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
     for &(inp, out) in &[(4096usize, 6144usize), (4096, 4096), (12288, 4096)] {
         let w = random(out, inp, 0.02, &device);
         for rows in [9usize, 17, 32] {
             let x = random(rows, inp, 1.0, &device);
-            let run = |mt: usize| {
-                dspark_kernels::force_mtiles(Some(mt));
-                poison(rows * out, &device);
-                let y = host(dspark_kernels::linear(x.clone(), &w));
-                dspark_kernels::force_mtiles(None);
-                y
-            };
-            let (one, two) = (run(1), run(2));
-            assert!(
-                one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{inp}->{out}, {rows} rows"
-            );
+            let product = || dspark_kernels::linear(x.clone(), &w);
+            let (one, two) = (forced(1, rows * out, &product), forced(2, rows * out, &product));
+            assert!(same(&one, &two), "{inp}->{out}, {rows} rows");
             let want = reference_f64(&host(x.clone()), &host(w.clone()), rows, inp, out);
             let err = rel_err(&two, &want);
             println!("two blocks per cube, {inp}->{out}, {rows} rows: bit-equal to one; rel err {err:.2e}");
@@ -1270,17 +1270,11 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
     let w = random(out, inp, 0.02, &device);
     for rows in [1usize, 8, 16] {
         let x = random(rows, inp, 1.0, &device);
-        let run = |mt: usize| {
-            dspark_kernels::force_mtiles(Some(mt));
-            poison(rows * out, &device);
-            let y = host(dspark_kernels::linear(x.clone(), &w));
-            dspark_kernels::force_mtiles(None);
-            y
-        };
-        let (one, four, chosen) = (run(1), run(4), host(dspark_kernels::linear(x.clone(), &w)));
+        let product = || dspark_kernels::linear(x.clone(), &w);
+        let (one, four) = (forced(1, rows * out, &product), forced(4, rows * out, &product));
         assert!(one.iter().all(|v| v.is_finite()), "W2 output left unwritten");
-        assert!(one.iter().zip(&four).all(|(a, b)| a.to_bits() == b.to_bits()), "W2, {rows} rows");
-        assert!(one.iter().zip(&chosen).all(|(a, b)| a.to_bits() == b.to_bits()), "W2 chosen, {rows} rows");
+        assert!(same(&one, &four), "W2, {rows} rows");
+        assert!(same(&one, &host(product())), "W2 with the chosen blocks, {rows} rows");
         println!("four blocks per cube, {inp}->{out}, {rows} rows: bit-equal to one");
     }
     let (inp, inter) = (4096usize, 12288usize);
@@ -1288,16 +1282,10 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
         dspark_kernels::pair_gate_up(random(inter, inp, 0.02, &device), random(inter, inp, 0.02, &device));
     for rows in [9usize, 24] {
         let x = random(rows, inp, 1.0, &device);
-        let run = |mt: usize| {
-            dspark_kernels::force_mtiles(Some(mt));
-            poison(rows * inter, &device);
-            let y = host(dspark_kernels::linear_swiglu(x.clone(), &paired));
-            dspark_kernels::force_mtiles(None);
-            y
-        };
-        let (one, two) = (run(1), run(2));
+        let product = || dspark_kernels::linear_swiglu(x.clone(), &paired);
+        let (one, two) = (forced(1, rows * inter, &product), forced(2, rows * inter, &product));
         assert!(one.iter().all(|v| v.is_finite()), "SwiGLU output left unwritten");
-        assert!(one.iter().zip(&two).all(|(a, b)| a.to_bits() == b.to_bits()), "SwiGLU, {rows} rows");
+        assert!(same(&one, &two), "SwiGLU, {rows} rows");
         println!("two blocks per cube, SwiGLU 4096->2x12288, {rows} rows: bit-equal to one");
     }
 }
