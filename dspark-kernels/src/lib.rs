@@ -19,6 +19,7 @@ use burn::tensor::{Int, Tensor};
 
 static KERNELS: AtomicBool = AtomicBool::new(true);
 static PAGED_REFERENCE: AtomicBool = AtomicBool::new(false);
+static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -32,6 +33,18 @@ pub fn set_kernels_enabled(enabled: bool) {
 /// path is tested where the kernels do not run. Off by default; process-wide.
 pub fn set_paged_reference(enabled: bool) {
     PAGED_REFERENCE.store(enabled, Ordering::Relaxed);
+}
+
+/// Run [`paged_attention`]'s key splits on tensor cores (on by default, for head widths up to
+/// 128) or with one warp per query row and head. Both are batch-invariant, but they round
+/// differently, so a process keeps one choice while it decodes. For A/B benchmarks.
+pub fn set_tensor_core_attention(enabled: bool) {
+    TENSOR_CORE_ATTENTION.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`paged_attention`] uses tensor cores (see [`set_tensor_core_attention`]).
+pub fn tensor_core_attention() -> bool {
+    TENSOR_CORE_ATTENTION.load(Ordering::Relaxed)
 }
 
 /// Whether this crate's GPU kernels are on (see [`set_kernels_enabled`]).
@@ -457,9 +470,25 @@ pub fn paged_attention(
     keys: &Tensor<1, Int>,
     meta: &Tensor<2, Int>,
 ) -> Tensor<3> {
+    paged_attention_grouped(q, k_pool, v_pool, keys, meta, 1)
+}
+
+/// [`paged_attention`] where the rows come in groups of `group` that share a key table (each
+/// lane's verify window or draft block: `meta[r, 0]` equal within a group), so the kernel can
+/// read each key once for the whole group. The grouping never changes a result: a row gets the
+/// same bits under any `group` (rows of a group that do not share keys are served apart).
+pub fn paged_attention_grouped(
+    q: Tensor<3>,
+    k_pool: &Tensor<3>,
+    v_pool: &Tensor<3>,
+    keys: &Tensor<1, Int>,
+    meta: &Tensor<2, Int>,
+    group: usize,
+) -> Tensor<3> {
     #[cfg(feature = "cuda")]
     if !PAGED_REFERENCE.load(Ordering::Relaxed) && paged_attention_supported(&q, k_pool) {
-        return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta);
+        return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta, group);
     }
+    let _ = group;
     reference::paged_attention(q, k_pool, v_pool, keys, meta)
 }

@@ -244,70 +244,93 @@ fn attention_f64(
 #[test]
 fn paged_attention_matches_reference() {
     let device = cuda();
-    // (heads, kv_heads, head_dim): Qwen3-8B, and a narrower GQA layout.
-    for &(heads, kv_heads, head_dim) in &[(32, 8, 128), (8, 2, 64)] {
-        let pool_rows = 4096;
-        // A decode row, a causal verify window, a draft block (all keys), a long context, and a
-        // 150-row prefill: the call spans three launches of at most 64 rows, and alone the lanes
-        // get scratch strides of 1 to 32 splits (their key tables' lengths).
-        let lanes = [
-            (1, 1, true),
-            (37, 8, true),
-            (300, 8, false),
-            (1500, 1, true),
-            (2000, 17, true),
-            (200, 150, true),
-        ];
-        let (keys, meta, ranges) = plan(&lanes, pool_rows, 7);
-        let rows: usize = lanes.iter().map(|l| l.1).sum();
-        let k_pool =
-            random(pool_rows, kv_heads * head_dim, 1.0, &device).reshape([pool_rows, kv_heads, head_dim]);
-        let v_pool =
-            random(pool_rows, kv_heads * head_dim, 1.0, &device).reshape([pool_rows, kv_heads, head_dim]);
-        let q = random(rows, heads * head_dim, 1.0, &device).reshape([rows, heads, head_dim]);
-        let keys_t = int_tensor(keys.clone(), [keys.len()], &device);
-        let meta_t = int_tensor(meta.clone(), [rows, 2], &device);
-        assert!(dspark_kernels::paged_attention_supported(&q, &k_pool));
-        poison(rows * heads * head_dim, &device);
-        let got = dspark_kernels::paged_attention(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t);
-        // Float64 on the host (the plain-burn body would compile a kernel per key count).
-        let want64 = attention_f64(
-            &host(q.clone().reshape([rows, heads * head_dim])),
-            &host(k_pool.clone().reshape([pool_rows, kv_heads * head_dim])),
-            &host(v_pool.clone().reshape([pool_rows, kv_heads * head_dim])),
-            &keys,
-            &meta,
-            (heads, kv_heads, head_dim),
-        );
-        let flat = |t: Tensor<3>| host(t.reshape([rows, heads * head_dim]));
-        let err = rel_err(&flat(got.clone()), &want64);
-        println!(
-            "paged_attention heads={heads}/{kv_heads} head_dim={head_dim} rows={rows}: rel err {err:.2e}"
-        );
-        assert!(err <= 1e-2, "rel err {err:.3e}");
-
-        // Each lane alone: bit-identical to its rows in the batched call.
-        let all = got.into_data();
-        let row_bytes = heads * head_dim * 2;
-        for (lane, range) in ranges.iter().enumerate() {
-            let first = meta[2 * range.start];
-            let lane_keys: Vec<i32> = keys[first as usize..first as usize + lanes[lane].0].to_vec();
-            let lane_meta: Vec<i32> =
-                meta[2 * range.start..2 * range.end].chunks(2).flat_map(|c| [0, c[1]]).collect();
-            let alone = dspark_kernels::paged_attention(
-                q.clone().narrow(0, range.start, range.len()),
-                &k_pool,
-                &v_pool,
-                &int_tensor(lane_keys.clone(), [lane_keys.len()], &device),
-                &int_tensor(lane_meta, [range.len(), 2], &device),
-            )
-            .into_data();
-            assert_eq!(
-                alone.as_bytes(),
-                &all.as_bytes()[range.start * row_bytes..range.end * row_bytes],
-                "lane {lane} differs alone and batched"
-            );
+    // Both split kernels: tensor cores (the default) and one warp per row and head.
+    for tensor_cores in [true, false] {
+        dspark_kernels::set_tensor_core_attention(tensor_cores);
+        // (heads, kv_heads, head_dim): Qwen3-8B, a narrower GQA layout, and 12 query heads per
+        // K/V head (a row's heads straddle the tensor-core kernel's warps).
+        for &(heads, kv_heads, head_dim) in &[(32, 8, 128), (8, 2, 64), (24, 2, 64)] {
+            paged_attention_case(heads, kv_heads, head_dim, tensor_cores, &device);
         }
+    }
+    dspark_kernels::set_tensor_core_attention(true);
+}
+
+fn paged_attention_case(heads: usize, kv_heads: usize, head_dim: usize, tensor_cores: bool, device: &Device) {
+    let pool_rows = 8192;
+    // A decode row, a causal verify window, a draft block (all keys), a long context, a 150-row
+    // prefill (the call spans several launches of at most 64 rows, and alone the lanes get
+    // scratch strides of 1 to 32 splits: their key tables' lengths), and a window whose rows
+    // sit on both sides of a chunk-size threshold (1020 .. 1037 keys: chunks of 32 and 64).
+    let lanes = [
+        (1, 1, true),
+        (37, 8, true),
+        (300, 8, false),
+        (1500, 1, true),
+        (2000, 17, true),
+        (200, 150, true),
+        (1037, 17, true),
+    ];
+    let (keys, meta, ranges) = plan(&lanes, pool_rows, 7);
+    let rows: usize = lanes.iter().map(|l| l.1).sum();
+    let k_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
+    let v_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
+    let q = random(rows, heads * head_dim, 1.0, device).reshape([rows, heads, head_dim]);
+    let keys_t = int_tensor(keys.clone(), [keys.len()], device);
+    let meta_t = int_tensor(meta.clone(), [rows, 2], device);
+    assert!(dspark_kernels::paged_attention_supported(&q, &k_pool));
+    poison(rows * heads * head_dim, device);
+    let got = dspark_kernels::paged_attention(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t);
+    // Float64 on the host (the plain-burn body would compile a kernel per key count).
+    let want64 = attention_f64(
+        &host(q.clone().reshape([rows, heads * head_dim])),
+        &host(k_pool.clone().reshape([pool_rows, kv_heads * head_dim])),
+        &host(v_pool.clone().reshape([pool_rows, kv_heads * head_dim])),
+        &keys,
+        &meta,
+        (heads, kv_heads, head_dim),
+    );
+    let flat = |t: Tensor<3>| host(t.reshape([rows, heads * head_dim]));
+    let err = rel_err(&flat(got.clone()), &want64);
+    println!(
+        "paged_attention (tensor cores: {tensor_cores}) heads={heads}/{kv_heads} head_dim={head_dim} rows={rows}: \
+         rel err {err:.2e}"
+    );
+    assert!(err <= 1e-2, "rel err {err:.3e}");
+
+    // Any grouping of the rows (groups that cut across lanes, a whole window per group, more
+    // rows than one cube takes): the same bits.
+    let all = got.into_data();
+    for group in [4, 8, 17, 64] {
+        poison(rows * heads * head_dim, device);
+        let grouped =
+            dspark_kernels::paged_attention_grouped(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t, group)
+                .into_data();
+        assert_eq!(grouped.as_bytes(), all.as_bytes(), "rows grouped by {group} differ from one by one");
+    }
+
+    // Each lane alone, its rows grouped as its window: bit-identical to its rows in the batch.
+    let row_bytes = heads * head_dim * 2;
+    for (lane, range) in ranges.iter().enumerate() {
+        let first = meta[2 * range.start];
+        let lane_keys: Vec<i32> = keys[first as usize..first as usize + lanes[lane].0].to_vec();
+        let lane_meta: Vec<i32> =
+            meta[2 * range.start..2 * range.end].chunks(2).flat_map(|c| [0, c[1]]).collect();
+        poison(range.len() * heads * head_dim, device);
+        let alone = dspark_kernels::paged_attention_grouped(
+            q.clone().narrow(0, range.start, range.len()),
+            &k_pool,
+            &v_pool,
+            &int_tensor(lane_keys.clone(), [lane_keys.len()], device),
+            &int_tensor(lane_meta, [range.len(), 2], device),
+            range.len(),
+        )
+        .into_data();
+        assert_eq!(
+            alone.as_bytes(),
+            &all.as_bytes()[range.start * row_bytes..range.end * row_bytes],
+            "lane {lane} differs alone and batched"
+        );
     }
 }
 

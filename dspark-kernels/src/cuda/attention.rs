@@ -9,22 +9,33 @@
 //! of eight SMs.
 //!
 //! # How one split works
-//! A cube owns one query row, one K/V head and one split; its `groups` warps are the query
-//! heads that share that K/V head (native GQA: the K/V rows are fetched once per cube and served
-//! from L1 to the other warps). In a warp, lane `(kg, dq)` (`kg = lane / 4`, `dq = lane % 4`)
-//! holds a quarter of the head's dimensions and walks the split's keys `kg, kg + 8, …` with an
-//! online softmax; the four lanes of a key group add their partial dot products with two
-//! butterfly shuffles, and the eight key groups merge their (max, sum, accumulator) states with
-//! three more. Softmax and accumulation are f32.
+//! Two kernels compute a split; a process uses one (see
+//! [`crate::set_tensor_core_attention`]), as they round differently.
+//! - **Tensor cores** (the default, head widths up to 128; [`paged_attention_mma_kernel`]): a
+//!   cube owns one K/V head, one split and up to 16 rows of a lane's window (all their query
+//!   heads of that K/V head: up to 64 (row, head) pairs, the `M` side of `mma.sync`). Its four
+//!   warps stage each 32-key block of K and V in shared memory once, then multiply `q·Kᵀ` and
+//!   `P·V` on tensor cores with an f32 online softmax. A verify window of 17 rows thus reads
+//!   each key twice instead of 68 times: at 512 keys its attention takes 18 µs instead of 39.
+//! - **One warp per (row, head)** ([`paged_attention_split_kernel`]): a cube owns one query
+//!   row, one K/V head and one split; its `groups` warps are the query heads that share that
+//!   K/V head (native GQA: the K/V rows are fetched once per cube and served from L1 to the
+//!   other warps). In a warp, lane `(kg, dq)` (`kg = lane / 4`, `dq = lane % 4`) holds a
+//!   quarter of the head's dimensions and walks the split's keys `kg, kg + 8, …` with an online
+//!   softmax; the four lanes of a key group add their partial dot products with two butterfly
+//!   shuffles, and the eight key groups merge their (max, sum, accumulator) states with three
+//!   more. Softmax and accumulation are f32.
 //!
 //! # Batch invariance
 //! A row's splits and its reduction order depend only on its number of visible keys: the same
-//! whether the row is decoded alone, verified inside a window, or batched with other lanes.
+//! whether the row is decoded alone, verified inside a window, batched with other lanes, or
+//! grouped with any other rows in a tensor-core cube.
 
 use burn::backend::Dispatch;
 use burn::tensor::{DType, Int, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
+use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
@@ -255,8 +266,480 @@ fn paged_attention_split_kernel(
     }
 }
 
+/// Keys per block of the tensor-core kernel: four 8-key tiles of `S`, two k16 steps of `P·V`,
+/// staged by the cube's 128 threads (a quarter row each).
+const KEY_BLOCK: usize = 32;
+/// Threads of a tensor-core cube (4 warps: they stage a block together; those whose tile
+/// holds rows multiply).
+const MMA_WARPS: usize = 4;
+/// 16-byte words per staged K row: 16 for a 128-wide head plus 4 of padding, so the eight
+/// lanes of a 16-byte read phase (two keys × four quarters) hit distinct banks.
+const KS_STRIDE: usize = 20;
+/// 32-bit words per staged V row: 64 plus 4 of padding, so the fragment reads (keys 2t, dims
+/// g) spread over the banks.
+const VS_STRIDE: usize = 68;
+/// Query rows × heads one tensor-core cube serves at most (four warps of 16).
+const MMA_ROWS: usize = 64;
+
+/// Round an f32 to bf16 (nearest, ties to even) and return its 16 bits in the low half of the
+/// word. Finite inputs only (softmax weights in `[0, 1]` and their rounding remainders).
+#[cube]
+fn bf16_bits(x: f32) -> u32 {
+    let b = u32::reinterpret(x);
+    (b + 0x7FFFu32 + ((b >> 16u32) & 1u32)) >> 16u32
+}
+
+/// The split kernel on tensor cores: one cube serves up to [`MMA_ROWS`] (query row, head)
+/// pairs of one K/V head and one split, so each key of the split is read once for all of them
+/// instead of once per pair.
+///
+/// # Layout
+/// The cube's rows are `per_cube` consecutive rows of a group of `group` rows (a lane's
+/// verify window or draft block, as the caller says); its pairs are `m = row · groups + head`,
+/// 16 per warp, the `M` side of `mma.sync.m16n8k16` (bf16 operands, f32 accumulators). The
+/// cube's four warps stage each block of [`KEY_BLOCK`] keys (K and V rows, 16-byte loads) in
+/// shared memory once, the next block's rows in flight while this one is multiplied. On a
+/// block a warp forms `S = q·Kᵀ` (keys on the `N` side; each lane takes 16 bytes of one key per
+/// 32 dimensions and of each of its two pairs' q, split over two mma steps exactly as the
+/// skinny GEMM splits weights and activations), masks and scales it, updates its pairs'
+/// running max and sum (f32; a row's four lanes meet by two butterflies), rounds the weights
+/// to bf16 and adds `P·V` to its f32 accumulators.
+///
+/// # Rows that do not share keys
+/// A row's split range depends on its own key count, and its keys on its own table: rows of
+/// different lanes, or on both sides of a chunk threshold, cannot share blocks. The cube runs
+/// one pass per distinct `(first key, chunk)` among its rows, each over the rows that have it;
+/// a lane's window is one pass.
+///
+/// # Batch invariance
+/// A pair's result depends only on its q, its keys and its key count: its split is chosen from
+/// the count, its blocks start at the split's start, the k order of every mma and the
+/// butterflies are fixed, and no other row's values reach its sums (masked keys weigh exactly
+/// 0, and a pair's place in the tile does not change an mma's arithmetic). So a row gets the
+/// same bits alone, in a window, in any grouping or beside other lanes.
+#[cube(launch_unchecked)]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention_mma_kernel(
+    q: &[Words],
+    k: &[Words],
+    v: &[Words],
+    keys: &[i32],
+    meta: &[i32],
+    part: &mut [f32],
+    ml: &mut [f32],
+    row0: u32,
+    rows: u32,
+    stride: u32,
+    kv_heads: u32,
+    scale: f32,
+    group: u32,
+    per_cube: u32,
+    cubes_per_group: u32,
+    #[comptime] head_dim: usize,
+    #[comptime] groups: usize,
+) {
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let g = lane / 4;
+    let t = lane % 4;
+    let kvh = CUBE_POS_Y as usize;
+    let split = CUBE_POS_Z as usize;
+    let stride = stride as usize;
+    let kv_heads = kv_heads as usize;
+    let heads = kv_heads * groups;
+    let row0 = row0 as usize;
+    let words = head_dim / 8;
+    let chunks = head_dim / 32;
+    let id = warp * 32 + lane;
+
+    // This cube's rows, launch-relative: `lo .. hi`.
+    let cpg = cubes_per_group as usize;
+    let group_lo = (CUBE_POS_X as usize / cpg) * group as usize;
+    let mut group_hi = group_lo + group as usize;
+    if group_hi > rows as usize {
+        group_hi = rows as usize;
+    }
+    let lo = group_lo + (CUBE_POS_X as usize % cpg) * per_cube as usize;
+    let mut hi = lo + per_cube as usize;
+    if hi > group_hi {
+        hi = group_hi;
+    }
+    // The last group of a launch may be short: its later cubes have no rows.
+    if hi < lo {
+        hi = lo;
+    }
+    // This lane's two pairs (rows g and g + 8 of its warp's tile).
+    let m0 = warp * 16 + g;
+    let m1 = m0 + 8;
+    let r0 = lo + m0 / groups;
+    let r1 = lo + m1 / groups;
+    let h0 = kvh * groups + m0 % groups;
+    let h1 = kvh * groups + m1 % groups;
+
+    let neg_inf = f32::new(f32::NEG_INFINITY);
+    let zero = Words::new(0u32);
+    let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
+    let mut ks = Shared::<[Words]>::new_slice(KEY_BLOCK * KS_STRIDE);
+    let mut vs = Shared::<[u32]>::new_slice(KEY_BLOCK * VS_STRIDE);
+
+    // The cube's rows' tables in shared memory (local row `i` is launch row `lo + i`): first
+    // key, key count, the first row with the same (first key, chunk) (its pass's leader), and
+    // for a leader the end of its pass's keys in this split (the longest range of its rows).
+    let nr = hi - lo;
+    let mut row_first = Shared::<[u32]>::new_slice(MMA_ROWS);
+    let mut row_count = Shared::<[u32]>::new_slice(MMA_ROWS);
+    let mut row_lead = Shared::<[u32]>::new_slice(MMA_ROWS);
+    let mut pass_end = Shared::<[u32]>::new_slice(MMA_ROWS);
+    if id < nr {
+        row_first[id] = u32::cast_from(meta[2 * (row0 + lo + id)]);
+        row_count[id] = u32::cast_from(meta[2 * (row0 + lo + id) + 1]);
+    }
+    sync_cube();
+    if id < nr {
+        let f = row_first[id];
+        let c = split_chunk(row_count[id] as usize);
+        let mut lead = id;
+        for j in 0..id {
+            if lead == id && row_first[j] == f && split_chunk(row_count[j] as usize) == c {
+                lead = j;
+            }
+        }
+        row_lead[id] = lead as u32;
+    }
+    sync_cube();
+    if id < nr && row_lead[id] as usize == id {
+        let chunk = split_chunk(row_count[id] as usize);
+        let start = split * chunk;
+        let mut end = start;
+        for r in id..nr {
+            if row_lead[r] as usize == id {
+                let mut e = start + chunk;
+                if e > row_count[r] as usize {
+                    e = row_count[r] as usize;
+                }
+                if e > end {
+                    end = e;
+                }
+            }
+        }
+        pass_end[id] = end as u32;
+    }
+    sync_cube();
+    // This lane's pairs' local rows (`nr` or more: padding of the warp's tile).
+    let l0 = m0 / groups;
+    let l1 = m1 / groups;
+
+    // One pass per leader with keys in this split; every condition is the cube's (shared
+    // values), so all threads reach each sync.
+    for i in 0..nr {
+        let first = row_first[i] as usize;
+        let chunk = split_chunk(row_count[i] as usize);
+        let start = split * chunk;
+        let end = pass_end[i] as usize;
+        if row_lead[i] as usize == i && end > start {
+            // Where each of this lane's pairs stops (at most `start`: not in the pass, every
+            // key masked). The bounds check comes first in its own `if`: a kernel's `&&` may read
+            // both sides.
+            let mut end0 = 0usize;
+            let mut end1 = 0usize;
+            #[allow(clippy::collapsible_if)]
+            if l0 < nr {
+                if row_lead[l0] as usize == i {
+                    end0 = start + chunk;
+                    if end0 > row_count[l0] as usize {
+                        end0 = row_count[l0] as usize;
+                    }
+                }
+            }
+            #[allow(clippy::collapsible_if)]
+            if l1 < nr {
+                if row_lead[l1] as usize == i {
+                    end1 = start + chunk;
+                    if end1 > row_count[l1] as usize {
+                        end1 = row_count[l1] as usize;
+                    }
+                }
+            }
+            // 1. q of both pairs, 16 bytes per 32 dimensions (zero for a pair not in the pass).
+            let mut qa = Array::<Words>::new(chunks);
+            let mut qb = Array::<Words>::new(chunks);
+            #[unroll]
+            for c in 0..chunks {
+                qa[c] = zero;
+                qb[c] = zero;
+                if end0 > start {
+                    qa[c] = q[((row0 + r0) * heads + h0) * words + c * 4 + t];
+                }
+                if end1 > start {
+                    qb[c] = q[((row0 + r1) * heads + h1) * words + c * 4 + t];
+                }
+            }
+            let mut mm0 = neg_inf;
+            let mut mm1 = neg_inf;
+            let mut ll0 = 0.0f32;
+            let mut ll1 = 0.0f32;
+            let mut o = Array::<Vector<f32, Const<4>>>::new(head_dim / 8);
+            #[unroll]
+            for nd in 0..head_dim / 8 {
+                o[nd] = Vector::<f32, Const<4>>::new(0.0f32);
+            }
+
+            // 2. The pass's keys in blocks of KEY_BLOCK, staged in shared memory by the whole
+            //    cube: thread `id` fetches a quarter of key `id / 4`'s K and V rows. The next
+            //    block's page-table entry is read a block ahead and its rows are requested
+            //    before the current block is multiplied. Keys past `end` are zero.
+            let tkey = id / 4;
+            let tq = id % 4;
+            let mut kreg = Array::<Words>::new(chunks);
+            let mut vreg = Array::<Words>::new(chunks);
+            let mut phys = 0usize;
+            if start + tkey < end {
+                phys = keys[first + start + tkey] as usize;
+            }
+            let mut next_phys = 0usize;
+            if start + KEY_BLOCK + tkey < end {
+                next_phys = keys[first + start + KEY_BLOCK + tkey] as usize;
+            }
+            #[unroll]
+            for i in 0..chunks {
+                kreg[i] = zero;
+                vreg[i] = zero;
+                if start + tkey < end {
+                    let at = (phys * kv_heads + kvh) * words + i * 4 + tq;
+                    kreg[i] = k[at];
+                    vreg[i] = v[at];
+                }
+            }
+            let mut kb = start;
+            while kb < end {
+                sync_cube();
+                #[unroll]
+                for i in 0..chunks {
+                    ks[tkey * KS_STRIDE + i * 4 + tq] = kreg[i];
+                    let vw = vreg[i];
+                    #[unroll]
+                    for e in 0..4usize {
+                        vs[tkey * VS_STRIDE + (i * 4 + tq) * 4 + e] = vw.extract(e);
+                    }
+                }
+                sync_cube();
+                if kb + KEY_BLOCK < end {
+                    let key = kb + KEY_BLOCK + tkey;
+                    phys = next_phys;
+                    #[unroll]
+                    for i in 0..chunks {
+                        kreg[i] = zero;
+                        vreg[i] = zero;
+                        if key < end {
+                            let at = (phys * kv_heads + kvh) * words + i * 4 + tq;
+                            kreg[i] = k[at];
+                            vreg[i] = v[at];
+                        }
+                    }
+                    next_phys = 0usize;
+                    if key + KEY_BLOCK < end {
+                        next_phys = keys[first + key + KEY_BLOCK] as usize;
+                    }
+                }
+
+                // A warp whose tile holds none of the cube's rows only stages.
+                if warp * 16 < (hi - lo) * groups {
+                    // 3. S = q·Kᵀ for the block's four 8-key tiles: two mma steps per 32
+                    //    dimensions; lane (g, t) takes 16 bytes of key g of each tile.
+                    let mut s = Array::<Vector<f32, Const<4>>>::new(4usize);
+                    #[unroll]
+                    for nt in 0..4usize {
+                        let mut acc = Array::<Vector<f32, Const<4>>>::new(1usize);
+                        acc[0] = Vector::<f32, Const<4>>::new(0.0f32);
+                        #[unroll]
+                        for c in 0..chunks {
+                            let kword = ks[(nt * 8 + g) * KS_STRIDE + c * 4 + t];
+                            #[unroll]
+                            for st in 0..2usize {
+                                let mut a_words = Words::new(0u32);
+                                a_words.insert(0usize, qa[c].extract(2 * st));
+                                a_words.insert(1usize, qb[c].extract(2 * st));
+                                a_words.insert(2usize, qa[c].extract(2 * st + 1));
+                                a_words.insert(3usize, qb[c].extract(2 * st + 1));
+                                let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                                a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words);
+                                let mut b_words = Vector::<u32, Const<2>>::new(0u32);
+                                b_words.insert(0usize, kword.extract(2 * st));
+                                b_words.insert(1usize, kword.extract(2 * st + 1));
+                                let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
+                                b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
+                                def.execute_inplace(&a, &b, &mut acc);
+                            }
+                        }
+                        s[nt] = acc[0];
+                    }
+
+                    // 4. Scale, mask (keys past a pair's end weigh nothing), online softmax.
+                    //    Element `nt·4 + e` is key `nt·8 + 2t + e % 2` of pair `e / 2`.
+                    let mut sv = Array::<f32>::new(16usize);
+                    #[unroll]
+                    for nt in 0..4usize {
+                        #[unroll]
+                        for e in 0..4usize {
+                            let key = kb + nt * 8 + 2 * t + e % 2;
+                            let mut stop = end0;
+                            if e >= 2 {
+                                stop = end1;
+                            }
+                            sv[nt * 4 + e] = neg_inf;
+                            if key < stop {
+                                sv[nt * 4 + e] = s[nt].extract(e) * scale;
+                            }
+                        }
+                    }
+                    let mut b0 = neg_inf;
+                    let mut b1 = neg_inf;
+                    #[unroll]
+                    for nt in 0..4usize {
+                        b0 = max(b0, max(sv[nt * 4], sv[nt * 4 + 1]));
+                        b1 = max(b1, max(sv[nt * 4 + 2], sv[nt * 4 + 3]));
+                    }
+                    b0 = max(b0, plane_shuffle_xor(b0, 1u32));
+                    b0 = max(b0, plane_shuffle_xor(b0, 2u32));
+                    b1 = max(b1, plane_shuffle_xor(b1, 1u32));
+                    b1 = max(b1, plane_shuffle_xor(b1, 2u32));
+                    let n0 = max(mm0, b0);
+                    let n1 = max(mm1, b1);
+                    let mut c0 = 1.0f32;
+                    let mut c1 = 1.0f32;
+                    let mut pw = Array::<f32>::new(16usize);
+                    #[unroll]
+                    for e in 0..16usize {
+                        pw[e] = 0.0f32;
+                    }
+                    if n0 != neg_inf {
+                        c0 = (mm0 - n0).exp();
+                        #[unroll]
+                        for nt in 0..4usize {
+                            pw[nt * 4] = (sv[nt * 4] - n0).exp();
+                            pw[nt * 4 + 1] = (sv[nt * 4 + 1] - n0).exp();
+                        }
+                    }
+                    if n1 != neg_inf {
+                        c1 = (mm1 - n1).exp();
+                        #[unroll]
+                        for nt in 0..4usize {
+                            pw[nt * 4 + 2] = (sv[nt * 4 + 2] - n1).exp();
+                            pw[nt * 4 + 3] = (sv[nt * 4 + 3] - n1).exp();
+                        }
+                    }
+                    let mut sum0 = 0.0f32;
+                    let mut sum1 = 0.0f32;
+                    #[unroll]
+                    for nt in 0..4usize {
+                        sum0 += pw[nt * 4] + pw[nt * 4 + 1];
+                        sum1 += pw[nt * 4 + 2] + pw[nt * 4 + 3];
+                    }
+                    sum0 += plane_shuffle_xor(sum0, 1u32);
+                    sum0 += plane_shuffle_xor(sum0, 2u32);
+                    sum1 += plane_shuffle_xor(sum1, 1u32);
+                    sum1 += plane_shuffle_xor(sum1, 2u32);
+                    ll0 = ll0 * c0 + sum0;
+                    ll1 = ll1 * c1 + sum1;
+                    mm0 = n0;
+                    mm1 = n1;
+                    #[unroll]
+                    for nd in 0..head_dim / 8 {
+                        let prev = o[nd];
+                        let mut scaled = Vector::<f32, Const<4>>::new(0.0f32);
+                        scaled.insert(0usize, prev.extract(0usize) * c0);
+                        scaled.insert(1usize, prev.extract(1usize) * c0);
+                        scaled.insert(2usize, prev.extract(2usize) * c1);
+                        scaled.insert(3usize, prev.extract(3usize) * c1);
+                        o[nd] = scaled;
+                    }
+
+                    // 5. O += P·V, one k16 step per two tiles: P as the A operand (the C layout of
+                    //    two tiles is the A layout of one step), in two bf16 parts, the rounded
+                    //    weight and the rounded remainder (their sum is the f32 weight to about
+                    //    16 bits, so P·V loses no more than f32 accumulation would); lane (g, t)
+                    //    takes dimension g of keys 2t, 2t + 1, 2t + 8, 2t + 9 of the step from
+                    //    shared memory.
+                    #[unroll]
+                    for ks_step in 0..2usize {
+                        let p0 = ks_step * 8;
+                        let mut hi_words = Words::new(0u32);
+                        let mut lo_words = Words::new(0u32);
+                        #[unroll]
+                        for r in 0..4usize {
+                            let x0 = pw[p0 + 2 * r];
+                            let x1 = pw[p0 + 2 * r + 1];
+                            let h0 = bf16_bits(x0);
+                            let h1 = bf16_bits(x1);
+                            let rem0 = bf16_bits(x0 - f32::reinterpret(h0 << 16u32));
+                            let rem1 = bf16_bits(x1 - f32::reinterpret(h1 << 16u32));
+                            hi_words.insert(r, h0 | (h1 << 16u32));
+                            lo_words.insert(r, rem0 | (rem1 << 16u32));
+                        }
+                        let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                        a[0] = Vector::<bf16, Const<8>>::reinterpret(hi_words);
+                        let mut a_lo = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                        a_lo[0] = Vector::<bf16, Const<8>>::reinterpret(lo_words);
+                        let key0 = ks_step * 16 + 2 * t;
+                        #[unroll]
+                        for nd in 0..head_dim / 8 {
+                            let col = (nd * 8 + g) / 2;
+                            let shift = u32::cast_from(g % 2) * 16u32;
+                            let v0 = (vs[key0 * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v1 = (vs[(key0 + 1) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v8 = (vs[(key0 + 8) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v9 = (vs[(key0 + 9) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let mut b_words = Vector::<u32, Const<2>>::new(0u32);
+                            b_words.insert(0usize, v0 | (v1 << 16u32));
+                            b_words.insert(1usize, v8 | (v9 << 16u32));
+                            let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
+                            b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
+                            let mut acc = Array::<Vector<f32, Const<4>>>::new(1usize);
+                            acc[0] = o[nd];
+                            def.execute_inplace(&a, &b, &mut acc);
+                            def.execute_inplace(&a_lo, &b, &mut acc);
+                            o[nd] = acc[0];
+                        }
+                    }
+                }
+                kb += KEY_BLOCK;
+            }
+
+            // 7. Each pair's split state, in the layout `combine_kernel` reads.
+            if end0 > start {
+                let slot = (r0 * heads + h0) * stride + split;
+                #[unroll]
+                for nd in 0..head_dim / 8 {
+                    part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(0usize);
+                    part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(1usize);
+                }
+                if t == 0 {
+                    ml[2 * slot] = mm0;
+                    ml[2 * slot + 1] = ll0;
+                }
+            }
+            if end1 > start {
+                let slot = (r1 * heads + h1) * stride + split;
+                #[unroll]
+                for nd in 0..head_dim / 8 {
+                    part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(2usize);
+                    part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(3usize);
+                }
+                if t == 0 {
+                    ml[2 * slot] = mm1;
+                    ml[2 * slot + 1] = ll1;
+                }
+            }
+        }
+    }
+}
+
 /// `out[r, h, d]`: the splits of row `r = row0 + x`, head `h` merged in split order (thread
 /// `d` of cube `(x, h)`), normalised, rounded to bf16.
+///
+/// The split states are read in two rounds of loads issued together (the `(max, sum)` pairs by
+/// one thread each into shared memory, then every split's accumulator for this thread's
+/// dimension), not one dependent load per split; the sums are the same, in split order.
 #[cube(launch_unchecked)]
 fn combine_kernel(
     part: &[f32],
@@ -282,16 +765,35 @@ fn combine_kernel(
         splits = stride;
     }
     let base = (local * heads + head) * stride;
+    // head_dim ≥ 32 = MAX_SPLITS threads: one per split.
+    let mut ms = Shared::<[f32]>::new_slice(MAX_SPLITS);
+    let mut ls = Shared::<[f32]>::new_slice(MAX_SPLITS);
+    if d < splits {
+        ms[d] = ml[2 * (base + d)];
+        ls[d] = ml[2 * (base + d) + 1];
+    }
+    let mut pv = Array::<f32>::new(MAX_SPLITS);
+    #[unroll]
+    for s in 0..MAX_SPLITS {
+        pv[s] = 0.0f32;
+        if s < splits {
+            pv[s] = part[(base + s) * head_dim + d];
+        }
+    }
+    sync_cube();
     let mut big = f32::new(f32::NEG_INFINITY);
     for s in 0..splits {
-        big = max(big, ml[2 * (base + s)]);
+        big = max(big, ms[s]);
     }
     let mut l = 0.0f32;
     let mut acc = 0.0f32;
-    for s in 0..splits {
-        let c = (ml[2 * (base + s)] - big).exp();
-        l += ml[2 * (base + s) + 1] * c;
-        acc += part[(base + s) * head_dim + d] * c;
+    #[unroll]
+    for s in 0..MAX_SPLITS {
+        if s < splits {
+            let c = (ms[s] - big).exp();
+            l += ls[s] * c;
+            acc += pv[s] * c;
+        }
     }
     out[(row * heads + head) * head_dim + d] = bf16::cast_from(acc * (1.0f32 / l));
 }
@@ -315,13 +817,16 @@ pub(crate) fn runs(heads: usize, pool: &Tensor<3>) -> bool {
         && matches!(pool.device().as_dispatch(), burn::backend::DispatchDevice::Cube(_))
 }
 
-/// Attention of `q` over the paged pool through the kernel (see [`crate::paged_attention`]).
+/// Attention of `q` over the paged pool through the kernel (see [`crate::paged_attention`]);
+/// `group` rows in a row share their keys as far as the caller knows (a lane's window), which
+/// only decides how rows meet in the tensor-core kernel's cubes, never a result.
 pub(crate) fn paged_attention(
     q: Tensor<3>,
     k_pool: &Tensor<3>,
     v_pool: &Tensor<3>,
     keys: &Tensor<1, Int>,
     meta: &Tensor<2, Int>,
+    group: usize,
 ) -> Tensor<3> {
     let y = <Dispatch as PagedAttentionOps>::paged_attention(
         q.into_dispatch(),
@@ -329,11 +834,33 @@ pub(crate) fn paged_attention(
         v_pool.clone().into_dispatch(),
         keys.clone().cast(DType::I32).into_dispatch(),
         meta.clone().cast(DType::I32).into_dispatch(),
+        group,
     );
     Tensor::from_dispatch(y)
 }
 
-fn launch(q: CubeTensor, k: CubeTensor, v: CubeTensor, keys: CubeTensor, meta: CubeTensor) -> CubeTensor {
+/// Whether the tensor-core split kernel serves this head width (its f32 accumulators take
+/// `head_dim / 2` registers per lane).
+fn mma_serves(head_dim: usize) -> bool {
+    crate::tensor_core_attention() && head_dim <= 128
+}
+
+/// How the tensor-core kernel cuts groups of `group` rows of `groups` heads each into cubes:
+/// `(rows per cube, cubes per group)`.
+fn mma_cubes(group: usize, groups: usize) -> (usize, usize) {
+    let cap = (MMA_ROWS / groups).max(1);
+    let cubes = group.div_ceil(cap);
+    (group.div_ceil(cubes), cubes)
+}
+
+fn launch(
+    q: CubeTensor,
+    k: CubeTensor,
+    v: CubeTensor,
+    keys: CubeTensor,
+    meta: CubeTensor,
+    group: usize,
+) -> CubeTensor {
     let contiguous = burn_cubecl::kernel::into_contiguous;
     let (q, k, v, keys, meta) =
         (contiguous(q), contiguous(k), contiguous(v), contiguous(keys), contiguous(meta));
@@ -357,42 +884,77 @@ fn launch(q: CubeTensor, k: CubeTensor, v: CubeTensor, keys: CubeTensor, meta: C
             DType::F32,
         )
     };
+    let mma = mma_serves(head_dim);
+    // Launches hold whole groups (a lane's window is never cut between two launches).
+    let group = group.clamp(1, ROWS_PER_LAUNCH);
+    let per_launch = if mma { ROWS_PER_LAUNCH / group * group } else { ROWS_PER_LAUNCH };
+    let (per_cube, cubes_per_group) = mma_cubes(group, groups);
     let stride = split_stride(n_keys);
-    let launch_rows = rows.min(ROWS_PER_LAUNCH);
+    let launch_rows = rows.min(per_launch);
     let part_len = launch_rows * heads * stride * head_dim;
     let ml_len = launch_rows * heads * stride * 2;
     let part = scratch(part_len);
     let ml = scratch(ml_len);
-    for row0 in (0..rows).step_by(ROWS_PER_LAUNCH) {
+    for row0 in (0..rows).step_by(per_launch) {
         let n = launch_rows.min(rows - row0);
-        // SAFETY: lengths are the buffers' sizes in the kernel's units; the split kernel reads q
-        // rows `row0 .. row0 + n < rows`, pool rows named in `keys` (the caller's page tables,
-        // all `< pool_rows`), `keys` entries `meta[2r] .. meta[2r] + meta[2r + 1]` (within `keys`
-        // by construction of the plan, so a row has at most `split_stride(n_keys)` splits: its
-        // chunk is at least MIN_CHUNK keys), and writes slots `< n · heads · stride` of `part`
-        // and `ml` (split `< stride`: the grid's z); the combine reads the slots the splits of
-        // each row wrote (the same `split_chunk` of the same count, at most `stride`) and writes
-        // rows `row0 .. row0 + n` of `out` within `[rows, heads, head_dim]`. Launches of one
-        // call run in order on one stream, so each finds the scratch free.
+        // SAFETY: lengths are the buffers' sizes in the kernel's units; the split kernels read
+        // q rows `row0 .. row0 + n < rows`, pool rows named in `keys` (the caller's page tables,
+        // all `< pool_rows`), `keys` entries `meta[2r] .. meta[2r] + meta[2r + 1]` (within
+        // `keys` by construction of the plan, so a row has at most `split_stride(n_keys)`
+        // splits: its chunk is at least MIN_CHUNK keys), and write slots `< n · heads · stride`
+        // of `part` and `ml` (split `< stride`: the grid's z; the tensor-core kernel's cubes
+        // cover rows `< n`); the combine reads the slots the splits of each row wrote (the same
+        // `split_chunk` of the same count, at most `stride`) and writes rows `row0 .. row0 + n`
+        // of `out` within `[rows, heads, head_dim]`. Launches of one call run in order on one
+        // stream, so each finds the scratch free.
         unsafe {
-            paged_attention_split_kernel::launch_unchecked(
-                &client,
-                CubeCount::Static(n as u32, kv_heads as u32, stride as u32),
-                CubeDim::new_2d(32, groups as u32),
-                BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim / 8),
-                BufferArg::from_raw_parts(k.handle.clone(), pool_words),
-                BufferArg::from_raw_parts(v.handle.clone(), pool_words),
-                BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
-                BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
-                BufferArg::from_raw_parts(part.handle.clone(), part_len),
-                BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
-                row0 as u32,
-                stride as u32,
-                kv_heads as u32,
-                1.0 / (head_dim as f32).sqrt(),
-                head_dim,
-                groups,
-            );
+            if mma {
+                paged_attention_mma_kernel::launch_unchecked(
+                    &client,
+                    CubeCount::Static(
+                        (n.div_ceil(group) * cubes_per_group) as u32,
+                        kv_heads as u32,
+                        stride as u32,
+                    ),
+                    CubeDim::new_2d(32, MMA_WARPS as u32),
+                    BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim / 8),
+                    BufferArg::from_raw_parts(k.handle.clone(), pool_words),
+                    BufferArg::from_raw_parts(v.handle.clone(), pool_words),
+                    BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
+                    BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
+                    BufferArg::from_raw_parts(part.handle.clone(), part_len),
+                    BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
+                    row0 as u32,
+                    n as u32,
+                    stride as u32,
+                    kv_heads as u32,
+                    1.0 / (head_dim as f32).sqrt(),
+                    group as u32,
+                    per_cube as u32,
+                    cubes_per_group as u32,
+                    head_dim,
+                    groups,
+                );
+            } else {
+                paged_attention_split_kernel::launch_unchecked(
+                    &client,
+                    CubeCount::Static(n as u32, kv_heads as u32, stride as u32),
+                    CubeDim::new_2d(32, groups as u32),
+                    BufferArg::from_raw_parts(q.handle.clone(), rows * heads * head_dim / 8),
+                    BufferArg::from_raw_parts(k.handle.clone(), pool_words),
+                    BufferArg::from_raw_parts(v.handle.clone(), pool_words),
+                    BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
+                    BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
+                    BufferArg::from_raw_parts(part.handle.clone(), part_len),
+                    BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
+                    row0 as u32,
+                    stride as u32,
+                    kv_heads as u32,
+                    1.0 / (head_dim as f32).sqrt(),
+                    head_dim,
+                    groups,
+                );
+            }
             combine_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static(n as u32, heads as u32, 1),
@@ -426,6 +988,7 @@ pub trait PagedAttentionOps: burn::backend::Backend {
         v_pool: burn::backend::tensor::FloatTensor<Self>,
         keys: burn::backend::tensor::IntTensor<Self>,
         meta: burn::backend::tensor::IntTensor<Self>,
+        group: usize,
     ) -> burn::backend::tensor::FloatTensor<Self>;
 }
 
@@ -436,7 +999,8 @@ impl PagedAttentionOps for CubeBackend {
         v: CubeTensor,
         keys: CubeTensor,
         meta: CubeTensor,
+        group: usize,
     ) -> CubeTensor {
-        launch(q, k, v, keys, meta)
+        launch(q, k, v, keys, meta, group)
     }
 }
