@@ -721,7 +721,7 @@ impl DSparkDraft {
                 meta.extend([first, (context + gamma) as i32]);
             }
         }
-        Ok(Some(AttnPlan::upload(keys, meta, new_rows, &self.device)))
+        Ok(Some(AttnPlan::upload(keys, meta, new_rows, gamma, &self.device)))
     }
 
     /// Whether this draft's K/V go through the page-table path (the paged attention kernel
@@ -860,7 +860,7 @@ impl DSparkDraft {
         let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
             let at = inputs.ints(n, n);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
-            let plan = inputs.plan(n, 2 * n);
+            let plan = inputs.plan(n, 2 * n, gamma);
             let mut xh = stack_input(layers, norm, embed.clone().select(0, inputs.ints(0, n)), eps);
             for (l, layer) in layers.iter().enumerate() {
                 xh =

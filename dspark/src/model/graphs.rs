@@ -94,11 +94,13 @@ impl DeviceInputs {
 
     /// The page tables of `rows` query rows, and `new_rows` (index dtype, at `offset` of
     /// `ints`, `rows` of them) where their K/V go.
-    pub fn plan(&self, rows: usize, new_rows_offset: usize) -> AttnPlan {
+    /// `group` as in [`AttnPlan`].
+    pub fn plan(&self, rows: usize, new_rows_offset: usize, group: usize) -> AttnPlan {
         AttnPlan {
             keys: self.tables.clone().narrow(0, 2 * MAX_GRAPH_ROWS, self.keys_cap),
             meta: self.tables.clone().narrow(0, 0, 2 * rows).reshape([rows, 2]),
             new_rows: self.ints(new_rows_offset, rows),
+            group,
         }
     }
 }

@@ -214,24 +214,34 @@ pub(crate) enum Weight {
 /// The page tables of one batched forward on the device, for [`dspark_kernels::paged_attention`]:
 /// every sequence's physical rows (`keys`) and, per query row, where its keys start in `keys`
 /// and how many it sees (`meta`, `[rows, 2]`), and the physical rows the batch's new K/V go to
-/// (`new_rows`, in row order). Built once per forward, read by every layer.
+/// (`new_rows`, in row order). Built once per forward, read by every layer. `group`: rows per
+/// sequence when every sequence has as many (they share a key table; see
+/// [`dspark_kernels::paged_attention_grouped`]), else 1.
 #[derive(Debug, Clone)]
 pub(crate) struct AttnPlan {
     pub keys: Tensor<1, Int>,
     pub meta: Tensor<2, Int>,
     pub new_rows: Tensor<1, Int>,
+    pub group: usize,
 }
 
 impl AttnPlan {
     /// The tables on `device`: `keys` and `meta` as i32 (what the kernel reads), `new_rows` as
     /// burn's index type (what the K/V row assignment takes).
-    pub(crate) fn upload(keys: Vec<i32>, meta: Vec<i32>, new_rows: Vec<i64>, device: &Device) -> Self {
+    pub(crate) fn upload(
+        keys: Vec<i32>,
+        meta: Vec<i32>,
+        new_rows: Vec<i64>,
+        group: usize,
+        device: &Device,
+    ) -> Self {
         let opts = || burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
         let (n, rows, new) = (keys.len(), meta.len() / 2, new_rows.len());
         Self {
             keys: Tensor::from_data(TensorData::new(keys, [n]), opts()),
             meta: Tensor::from_data(TensorData::new(meta, [rows, 2]), opts()),
             new_rows: Tensor::from_data(TensorData::new(new_rows, [new]), device),
+            group,
         }
     }
 }
@@ -643,7 +653,9 @@ impl DecoderLayer {
             let (k_pool, v_pool) = cache
                 .pools(layer)
                 .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
-            let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
+            let attn = dspark_kernels::paged_attention_grouped(
+                q, &k_pool, &v_pool, &plan.keys, &plan.meta, plan.group,
+            );
             return Ok(self.finish(x, attn, next_norm));
         }
         // 1-2. projections, per-head norms, RoPE.
@@ -886,7 +898,8 @@ impl DecoderLayer {
         let (k_pool, v_pool) = cache
             .pools(layer)
             .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
-        let attn = dspark_kernels::paged_attention(q, &k_pool, &v_pool, &plan.keys, &plan.meta);
+        let attn =
+            dspark_kernels::paged_attention_grouped(q, &k_pool, &v_pool, &plan.keys, &plan.meta, plan.group);
         Ok(self.finish(x, attn, next_norm))
     }
 }

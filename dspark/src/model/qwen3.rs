@@ -483,7 +483,11 @@ impl Qwen3 {
         if pick_rows {
             ints.extend_from_slice(pick);
         }
-        let mut detail = vec![picks];
+        // The rows' grouping is fixed in the recording (it sets the attention kernel's cubes): one
+        // sequence's window is one group with its padding, so windows padded to the same row
+        // count still share a shape.
+        let group = if plan.group == real { rows } else { plan.group };
+        let mut detail = vec![picks, group];
         detail.extend_from_slice(capture);
         let key = ShapeKey { rows, ints: ints.len(), detail };
         // Logits leave the graph in the model's dtype and are widened to f32 as they are handed
@@ -502,7 +506,7 @@ impl Qwen3 {
             let ids = inputs.ints(0, rows);
             let at = inputs.ints(rows, rows);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
-            let plan = inputs.plan(rows, 2 * rows);
+            let plan = inputs.plan(rows, 2 * rows, group);
             let pick = pick_rows.then(|| inputs.ints(3 * rows, picks));
             let (logits, features) =
                 self.body(ids, (&cos, &sin), &[], Some(&plan), capture, picks, pick, false, cache)?;
@@ -531,6 +535,8 @@ impl Qwen3 {
             return Ok(None);
         }
         let mut plan = HostPlan::default();
+        let width = seqs.first().map_or(1, |s| s.rows.len());
+        plan.group = if seqs.iter().all(|s| s.rows.len() == width) { width.max(1) } else { 1 };
         for s in seqs {
             let first = plan.keys.len();
             let rows = cache.physical_rows(s.seq, s.start + s.rows.len())?;
@@ -558,12 +564,13 @@ pub(crate) struct HostPlan {
     pub keys: Vec<i32>,
     pub meta: Vec<i32>,
     pub new_rows: Vec<i64>,
+    pub group: usize,
 }
 
 impl HostPlan {
     /// The tables on `device`, for a forward run op by op.
     pub(crate) fn upload(self, device: &Device) -> AttnPlan {
-        AttnPlan::upload(self.keys, self.meta, self.new_rows, device)
+        AttnPlan::upload(self.keys, self.meta, self.new_rows, self.group, device)
     }
 }
 
