@@ -87,6 +87,10 @@ struct Args {
     /// of the library's spans (`spans.rs`) beside the phase's wall time.
     #[arg(long)]
     spans: bool,
+    /// Attention's split kernel: `tc` (tensor cores, the default) or `warp` (one warp per query
+    /// row and head), for an A/B of the two in one call.
+    #[arg(long, default_value = "tc", value_parser = ["tc", "warp"])]
+    attention: String,
 }
 
 /// After a phase is timed: once more inside the profiling window when `--profile` names
@@ -169,6 +173,7 @@ fn memory_at(stage: &str, meter: &memory::Meter, device: &Device) {
 
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
+    dspark_kernels::set_tensor_core_attention(args.attention == "tc");
     // Always installed: the library's warnings (a graph that would not record) reach stderr.
     let span_times = spans::SpanTimes::install(args.spans);
     let spans = span_times.as_ref().filter(|_| args.spans);
@@ -389,10 +394,11 @@ fn main() -> dspark::Result<()> {
             let round_sampled = extend + p_kept + verify + accept_filtered;
             let round_host = extend + p_sampled + verify + host_filtered;
             let mut row = format!(
-                "| {} | {} | {} | {gamma} | {weights} | {mode} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {} | {} | {gamma} | {weights} | {mode}{} | {:.0} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.3} | {:.3} | {:.3} | {:.2} | {:.2} | {:.2} |",
                 args.device,
                 dtype,
                 if confidence { "confidence" } else { "no confidence" },
+                if args.attention == "warp" { " (warp attention)" } else { "" },
                 draft.weight_bytes() as f64 / (1 << 20) as f64,
                 one_row * 1e3,
                 verify * 1e3,

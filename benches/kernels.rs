@@ -46,7 +46,8 @@ struct Args {
     #[arg(long, default_value_t = 100 << 20)]
     rotate_bytes: usize,
     /// Also time the small kernels of one decoder layer (norms, q/k norm + RoPE, SwiGLU, paged
-    /// attention over `--context` keys), each recorded in a graph, at 1 and 8 rows.
+    /// attention over `--context` keys: both split kernels, the rows one causal window), each
+    /// recorded in a graph, at 1, 8 and 17 rows.
     #[arg(long)]
     anatomy: bool,
     /// Context length of the attention in `--anatomy`.
@@ -314,7 +315,7 @@ fn anatomy(args: &Args, device: &Device) {
     let pool_rows = args.context.max(1) + 64;
     let k_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
     let v_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
-    for rows in [1usize, 8] {
+    for rows in [1usize, 8, 17] {
         let x = random(rows, hidden, 1.0, device);
         let qkv = random(rows, (heads + 2 * kv_heads) * head_dim, 1.0, device);
         let cos = random(rows, head_dim, 1.0, device);
@@ -339,15 +340,26 @@ fn anatomy(args: &Args, device: &Device) {
             ),
             ("SwiGLU", Box::new(|_| dspark_kernels::swiglu_cols(gu.clone(), gu.clone(), 0, inter, inter))),
             (
-                "paged attention",
+                "paged attention (tensor cores)",
                 Box::new(|_| {
-                    dspark_kernels::paged_attention(q.clone(), &k_pool, &v_pool, &keys, &meta)
+                    dspark_kernels::paged_attention_grouped(q.clone(), &k_pool, &v_pool, &keys, &meta, rows)
+                        .reshape([rows, heads * head_dim])
+                }),
+            ),
+            (
+                "paged attention (warp per row and head)",
+                Box::new(|_| {
+                    dspark_kernels::paged_attention_grouped(q.clone(), &k_pool, &v_pool, &keys, &meta, rows)
                         .reshape([rows, heads * head_dim])
                 }),
             ),
         ];
         for (name, call) in cases {
+            // The kernel is chosen when the deferred operation runs, inside the timing: the
+            // switch holds for the whole measurement.
+            dspark_kernels::set_tensor_core_attention(!name.contains("warp per row"));
             let t = time_graphed(call, args.iters, device);
+            dspark_kernels::set_tensor_core_attention(true);
             let us = t.map_or("—".into(), |t| format!("{:.1}", t * 1e6));
             let layers = t.map_or("—".into(), |t| format!("{:.0}", t * 1e6 * 36.0));
             println!("| {name} | {rows} | {us} | {layers} |");

@@ -51,6 +51,10 @@ struct Args {
     /// beside the one-row step of the same run; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "8,16")]
     windows: Vec<usize>,
+    /// Attention's split kernel: `tc` (tensor cores, the default) or `warp` (one warp per query
+    /// row and head), for an A/B of the two in one call.
+    #[arg(long, default_value = "tc", value_parser = ["tc", "warp"])]
+    attention: String,
 }
 
 fn config(shape: &str) -> Qwen3Config {
@@ -92,6 +96,7 @@ fn main() -> dspark::Result<()> {
     let args = Args::parse();
     dspark_kernels::set_kernels_enabled(args.kernels == "on");
     dspark_kernels::force_mtiles((args.mtiles == "1").then_some(1));
+    dspark_kernels::set_tensor_core_attention(args.attention == "tc");
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
     let device = kind.device()?;
@@ -242,8 +247,15 @@ fn verify_windows(
     Ok(())
 }
 
-/// The kernels column: `on`, `on (1 block)` when the GEMM's blocks per cube are forced to 1, or
-/// `off`.
+/// The kernels column: `on`, `on (1 block)` when the GEMM's blocks per cube are forced to 1,
+/// `on (warp attention)` with the warp-per-row attention kernel, or `off`.
 fn kernels_label(args: &Args) -> String {
-    if args.kernels == "on" && args.mtiles == "1" { "on (1 block)".into() } else { args.kernels.clone() }
+    let mut label = args.kernels.clone();
+    if args.kernels == "on" && args.mtiles == "1" {
+        label += " (1 block)";
+    }
+    if args.kernels == "on" && args.attention == "warp" {
+        label += " (warp attention)";
+    }
+    label
 }
