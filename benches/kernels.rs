@@ -65,7 +65,7 @@ struct Args {
     /// they do not fit, 1), in the `--plans` table (bf16 only).
     #[arg(long, value_delimiter = ',')]
     mtiles: Vec<usize>,
-    /// Only the matrices whose name contains one of these (all when empty).
+    /// Only the matrices whose name contains one of these, in every table (all when empty).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -186,6 +186,9 @@ fn fp8_table(args: &Args, device: &Device) {
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, inp, out) in matrices(&args.shape) {
+        if !wanted(args, name) {
+            continue;
+        }
         let bytes = inp * out;
         let copies = args.rotate_bytes.div_ceil(bytes).clamp(1, 16);
         let fp8: Vec<_> = (0..copies).map(|i| random_fp8(out, inp, i as u64 + 1, device)).collect();
@@ -225,6 +228,11 @@ fn fp8_table(args: &Args, device: &Device) {
     }
 }
 
+/// Whether `--only` keeps the matrix `name`.
+fn wanted(args: &Args, name: &str) -> bool {
+    args.only.is_empty() || args.only.iter().any(|o| name.contains(o.as_str()))
+}
+
 /// The plans table: graphed device time of each forced plan on each shape.
 fn plans_table(args: &Args, device: &Device) {
     println!("\n# Skinny GEMM plans (splits x depth), device time per call in a graph\n");
@@ -233,7 +241,7 @@ fn plans_table(args: &Args, device: &Device) {
     );
     println!("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|");
     for (name, inp, out) in matrices(&args.shape) {
-        if !args.only.is_empty() && !args.only.iter().any(|o| name.contains(o.as_str())) {
+        if !wanted(args, name) {
             continue;
         }
         let bytes = inp * out;
@@ -413,6 +421,9 @@ fn main() {
     );
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (name, inp, out) in matrices(&args.shape) {
+        if !wanted(&args, name) {
+            continue;
+        }
         let bytes = inp * out * 2;
         let copies = args.rotate_bytes.div_ceil(bytes).clamp(1, 16);
         let weights: Vec<Tensor<2>> = (0..copies).map(|_| random(out, inp, 0.02, &device)).collect();
