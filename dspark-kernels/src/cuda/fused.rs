@@ -989,6 +989,34 @@ pub(crate) fn warp_best(v: f32, i: u32) -> (f32, u32) {
     (best_v, best_i)
 }
 
+/// The end of an argmax first pass: merge the cube's per-thread candidates (warps by
+/// butterflies, then the warps in order by thread 0) and write the segment's best to `slot`.
+#[cube]
+#[allow(clippy::manual_is_multiple_of)] // cube code: `%` on the unit index
+fn segment_best(best_v: f32, best_i: u32, part_v: &mut [f32], part_i: &mut [u32], slot: usize) {
+    let tid = UNIT_POS as usize;
+    let (wv, wi) = warp_best(best_v, best_i);
+    let mut values = Shared::<[f32]>::new_slice(ARGMAX_THREADS / 32);
+    let mut indices = Shared::<[u32]>::new_slice(ARGMAX_THREADS / 32);
+    if tid % 32 == 0 {
+        values[tid / 32] = wv;
+        indices[tid / 32] = wi;
+    }
+    sync_cube();
+    if tid == 0 {
+        let mut v = values[0];
+        let mut k = indices[0];
+        #[unroll]
+        for w in 1..ARGMAX_THREADS / 32 {
+            let (nv, nk) = better(v, k, values[w], indices[w]);
+            v = nv;
+            k = nk;
+        }
+        part_v[slot] = v;
+        part_i[slot] = k;
+    }
+}
+
 /// First pass of the argmax: cube `(s, r)` finds the largest value of segment `s` of row `r`
 /// (elements `s·SEGMENT ..`), the lowest index on ties, NaN skipped, and writes the candidate
 /// (index `u32::MAX` when nothing in the segment exceeds −∞) to slot `r·segs + s`. Each thread
@@ -1016,33 +1044,13 @@ fn argmax_partial_kernel(x: &[f32], part_v: &mut [f32], part_i: &mut [u32], widt
             }
         }
     }
-    let (wv, wi) = warp_best(best_v, best_i);
-    let mut values = Shared::<[f32]>::new_slice(ARGMAX_THREADS / 32);
-    let mut indices = Shared::<[u32]>::new_slice(ARGMAX_THREADS / 32);
-    if tid % 32 == 0 {
-        values[tid / 32] = wv;
-        indices[tid / 32] = wi;
-    }
-    sync_cube();
-    if tid == 0 {
-        let mut v = values[0];
-        let mut k = indices[0];
-        #[unroll]
-        for w in 1..ARGMAX_THREADS / 32 {
-            let (nv, nk) = better(v, k, values[w], indices[w]);
-            v = nv;
-            k = nk;
-        }
-        part_v[row * segs + seg] = v;
-        part_i[row * segs + seg] = k;
-    }
+    segment_best(best_v, best_i, part_v, part_i, row * segs + seg);
 }
 
 /// [`argmax_partial_kernel`] over the f32 sums `f32(a[row, k, i]) + f32(b[row, i])` of two
 /// bf16 inputs, `a` `[rows, steps, width]` and `b` `[rows, width]` (a Markov step's base logits
 /// and its bias): the values the unfused widening and add give, never stored.
 #[cube(launch_unchecked)]
-#[allow(clippy::manual_is_multiple_of)] // cube code: `%` on the unit index
 fn argmax_sum_partial_kernel(
     a: &[bf16],
     b: &[bf16],
@@ -1072,26 +1080,7 @@ fn argmax_sum_partial_kernel(
             }
         }
     }
-    let (wv, wi) = warp_best(best_v, best_i);
-    let mut values = Shared::<[f32]>::new_slice(ARGMAX_THREADS / 32);
-    let mut indices = Shared::<[u32]>::new_slice(ARGMAX_THREADS / 32);
-    if tid % 32 == 0 {
-        values[tid / 32] = wv;
-        indices[tid / 32] = wi;
-    }
-    sync_cube();
-    if tid == 0 {
-        let mut v = values[0];
-        let mut kk = indices[0];
-        #[unroll]
-        for w in 1..ARGMAX_THREADS / 32 {
-            let (nv, nk) = better(v, kk, values[w], indices[w]);
-            v = nv;
-            kk = nk;
-        }
-        part_v[row * segs + seg] = v;
-        part_i[row * segs + seg] = kk;
-    }
+    segment_best(best_v, best_i, part_v, part_i, row * segs + seg);
 }
 
 /// Second pass: one warp per row merges the row's `segs` candidates; 0 when there is none (no
