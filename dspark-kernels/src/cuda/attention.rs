@@ -407,22 +407,25 @@ fn paged_attention_mma_kernel(
         row_lead[id] = lead as u32;
     }
     sync_cube();
-    if id < nr && row_lead[id] as usize == id {
-        let chunk = split_chunk(row_count[id] as usize);
-        let start = split * chunk;
-        let mut end = start;
-        for r in id..nr {
-            if row_lead[r] as usize == id {
-                let mut e = start + chunk;
-                if e > row_count[r] as usize {
-                    e = row_count[r] as usize;
-                }
-                if e > end {
-                    end = e;
+    #[allow(clippy::collapsible_if)]
+    if id < nr {
+        if row_lead[id] as usize == id {
+            let chunk = split_chunk(row_count[id] as usize);
+            let start = split * chunk;
+            let mut end = start;
+            for r in id..nr {
+                if row_lead[r] as usize == id {
+                    let mut e = start + chunk;
+                    if e > row_count[r] as usize {
+                        e = row_count[r] as usize;
+                    }
+                    if e > end {
+                        end = e;
+                    }
                 }
             }
+            pass_end[id] = end as u32;
         }
-        pass_end[id] = end as u32;
     }
     sync_cube();
     // This lane's pairs' local rows (`nr` or more: padding of the warp's tile).
