@@ -47,9 +47,12 @@ struct Args {
     rotate_bytes: usize,
     /// Also time the small kernels of one decoder layer (norms, q/k norm + RoPE, SwiGLU, paged
     /// attention over `--context` keys: both split kernels, the rows one causal window), each
-    /// recorded in a graph, at 1, 8 and 17 rows.
+    /// recorded in a graph, at `--anatomy-rows` rows.
     #[arg(long)]
     anatomy: bool,
+    /// Rows (one causal window) of each `--anatomy` table.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,17")]
+    anatomy_rows: Vec<usize>,
     /// Context length of the attention in `--anatomy`.
     #[arg(long, default_value_t = 512)]
     context: usize,
@@ -323,7 +326,7 @@ fn anatomy(args: &Args, device: &Device) {
     let pool_rows = args.context.max(1) + 64;
     let k_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
     let v_pool = random(pool_rows, kv_heads * head_dim, 1.0, device).reshape([pool_rows, kv_heads, head_dim]);
-    for rows in [1usize, 8, 17] {
+    for &rows in args.anatomy_rows.iter().filter(|&&r| r > 0) {
         let x = random(rows, hidden, 1.0, device);
         let qkv = random(rows, (heads + 2 * kv_heads) * head_dim, 1.0, device);
         let cos = random(rows, head_dim, 1.0, device);
@@ -335,7 +338,14 @@ fn anatomy(args: &Args, device: &Device) {
         let keys: Vec<i32> = (0..(context + rows) as i32).collect();
         let meta: Vec<i32> = (0..rows).flat_map(|r| [0, (context + r + 1) as i32]).collect();
         let keys = Tensor::<1, Int>::from_data(TensorData::new(keys, [context + rows]), i32s.clone());
-        let meta = Tensor::<2, Int>::from_data(TensorData::new(meta, [rows, 2]), i32s);
+        let meta = Tensor::<2, Int>::from_data(TensorData::new(meta, [rows, 2]), i32s.clone());
+        // The same rows as one-row lanes of a decode step: a table of `context + 1` keys each.
+        let lane_keys: Vec<i32> = (0..rows * (context + 1)).map(|i| (i % pool_rows) as i32).collect();
+        let lane_meta: Vec<i32> =
+            (0..rows).flat_map(|r| [(r * (context + 1)) as i32, (context + 1) as i32]).collect();
+        let lane_keys =
+            Tensor::<1, Int>::from_data(TensorData::new(lane_keys, [rows * (context + 1)]), i32s.clone());
+        let lane_meta = Tensor::<2, Int>::from_data(TensorData::new(lane_meta, [rows, 2]), i32s);
         let cases: Vec<(&str, Call<'_>)> = vec![
             ("rms_norm", Box::new(|_| dspark_kernels::rms_norm_rows(x.clone(), &w, 1e-6))),
             ("add + rms_norm", Box::new(|_| dspark_kernels::add_rms_norm(x.clone(), x.clone(), &w, 1e-6).1)),
@@ -359,6 +369,34 @@ fn anatomy(args: &Args, device: &Device) {
                 Box::new(|_| {
                     dspark_kernels::paged_attention_grouped(q.clone(), &k_pool, &v_pool, &keys, &meta, rows)
                         .reshape([rows, heads * head_dim])
+                }),
+            ),
+            (
+                "paged attention (tensor cores), one row per lane",
+                Box::new(|_| {
+                    dspark_kernels::paged_attention_grouped(
+                        q.clone(),
+                        &k_pool,
+                        &v_pool,
+                        &lane_keys,
+                        &lane_meta,
+                        1,
+                    )
+                    .reshape([rows, heads * head_dim])
+                }),
+            ),
+            (
+                "paged attention (warp per row and head), one row per lane",
+                Box::new(|_| {
+                    dspark_kernels::paged_attention_grouped(
+                        q.clone(),
+                        &k_pool,
+                        &v_pool,
+                        &lane_keys,
+                        &lane_meta,
+                        1,
+                    )
+                    .reshape([rows, heads * head_dim])
                 }),
             ),
         ];
