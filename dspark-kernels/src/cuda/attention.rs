@@ -305,6 +305,13 @@ fn bf16_bits(x: f32) -> u32 {
 /// running max and sum (f32; a row's four lanes meet by two butterflies), rounds the weights
 /// to bf16 and adds `P·V` to its f32 accumulators.
 ///
+/// # Writing the split states
+/// `part` and `part4` are the same scratch, as f32 and as 16-byte words. With `wide` (callers
+/// whose groups hold several rows: a window's pass covers many pairs) the lanes of a pair swap
+/// halves and store 16 bytes each; otherwise each lane stores its own values one by one, which
+/// measured faster for cubes of one-row lanes (one pass per row, few pairs each; H200, 512 keys:
+/// 38 against 44 µs for 16 lanes). The values stored are the same either way.
+///
 /// # Rows that do not share keys
 /// A row's split range depends on its own key count, and its keys on its own table: rows of
 /// different lanes, or on both sides of a chunk threshold, cannot share blocks. The cube runs
@@ -326,6 +333,7 @@ fn paged_attention_mma_kernel(
     keys: &[i32],
     meta: &[i32],
     part: &mut [f32],
+    part4: &mut [Vector<f32, Const<4>>],
     ml: &mut [f32],
     row0: u32,
     rows: u32,
@@ -337,6 +345,7 @@ fn paged_attention_mma_kernel(
     cubes_per_group: u32,
     #[comptime] head_dim: usize,
     #[comptime] groups: usize,
+    #[comptime] wide: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -709,26 +718,81 @@ fn paged_attention_mma_kernel(
             }
 
             // 7. Each pair's split state, in the layout `combine_kernel` reads.
-            if end0 > start {
-                let slot = (r0 * heads + h0) * stride + split;
+            if wide {
+                // 16 bytes per store: lanes t and t ^ 1 (same pairs) swap halves, so that for
+                // each two 8-wide column tiles the even lane stores four dimensions of the first
+                // tile and the odd lane four of the second (every lane of the warp swaps).
+                let odd = t % 2 == 1;
+                let quad = head_dim / 4;
                 #[unroll]
-                for nd in 0..head_dim / 8 {
-                    part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(0usize);
-                    part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(1usize);
+                for pi in 0..head_dim / 16 {
+                    let mut keep = o[2 * pi];
+                    let mut send = o[2 * pi + 1];
+                    if odd {
+                        keep = o[2 * pi + 1];
+                        send = o[2 * pi];
+                    }
+                    let got0 = plane_shuffle_xor(send.extract(0usize), 1u32);
+                    let got1 = plane_shuffle_xor(send.extract(1usize), 1u32);
+                    let got2 = plane_shuffle_xor(send.extract(2usize), 1u32);
+                    let got3 = plane_shuffle_xor(send.extract(3usize), 1u32);
+                    let mut w0 = Vector::<f32, Const<4>>::new(0.0f32);
+                    let mut w1 = Vector::<f32, Const<4>>::new(0.0f32);
+                    if odd {
+                        w0.insert(0usize, got0);
+                        w0.insert(1usize, got1);
+                        w0.insert(2usize, keep.extract(0usize));
+                        w0.insert(3usize, keep.extract(1usize));
+                        w1.insert(0usize, got2);
+                        w1.insert(1usize, got3);
+                        w1.insert(2usize, keep.extract(2usize));
+                        w1.insert(3usize, keep.extract(3usize));
+                    } else {
+                        w0.insert(0usize, keep.extract(0usize));
+                        w0.insert(1usize, keep.extract(1usize));
+                        w0.insert(2usize, got0);
+                        w0.insert(3usize, got1);
+                        w1.insert(0usize, keep.extract(2usize));
+                        w1.insert(1usize, keep.extract(3usize));
+                        w1.insert(2usize, got2);
+                        w1.insert(3usize, got3);
+                    }
+                    // Column tile 2·pi (even lane) or 2·pi + 1 (odd), dimensions from 2·(t − t % 2).
+                    let at = (2 * pi + t % 2) * 2 + t / 2;
+                    if end0 > start {
+                        part4[((r0 * heads + h0) * stride + split) * quad + at] = w0;
+                    }
+                    if end1 > start {
+                        part4[((r1 * heads + h1) * stride + split) * quad + at] = w1;
+                    }
                 }
-                if t == 0 {
+            } else {
+                // Scalar stores of this lane's own values, only for pairs in the pass.
+                if end0 > start {
+                    let slot = (r0 * heads + h0) * stride + split;
+                    #[unroll]
+                    for nd in 0..head_dim / 8 {
+                        part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(0usize);
+                        part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(1usize);
+                    }
+                }
+                if end1 > start {
+                    let slot = (r1 * heads + h1) * stride + split;
+                    #[unroll]
+                    for nd in 0..head_dim / 8 {
+                        part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(2usize);
+                        part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(3usize);
+                    }
+                }
+            }
+            if t == 0 {
+                if end0 > start {
+                    let slot = (r0 * heads + h0) * stride + split;
                     ml[2 * slot] = mm0;
                     ml[2 * slot + 1] = ll0;
                 }
-            }
-            if end1 > start {
-                let slot = (r1 * heads + h1) * stride + split;
-                #[unroll]
-                for nd in 0..head_dim / 8 {
-                    part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(2usize);
-                    part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(3usize);
-                }
-                if t == 0 {
+                if end1 > start {
+                    let slot = (r1 * heads + h1) * stride + split;
                     ml[2 * slot] = mm1;
                     ml[2 * slot + 1] = ll1;
                 }
@@ -906,7 +970,8 @@ fn launch(
         // `keys` by construction of the plan, so a row has at most `split_stride(n_keys)`
         // splits: its chunk is at least MIN_CHUNK keys), and write slots `< n · heads · stride`
         // of `part` and `ml` (split `< stride`: the grid's z; the tensor-core kernel's cubes
-        // cover rows `< n`); the combine reads the slots the splits of each row wrote (the same
+        // cover rows `< n`; it takes `part` twice, as f32 and as 16-byte words, and writes it
+        // through one of them only, chosen at compile time); the combine reads the slots the splits of each row wrote (the same
         // `split_chunk` of the same count, at most `stride`) and writes rows `row0 .. row0 + n`
         // of `out` within `[rows, heads, head_dim]`. Launches of one call run in order on one
         // stream, so each finds the scratch free.
@@ -926,6 +991,7 @@ fn launch(
                     BufferArg::from_raw_parts(keys.handle.clone(), n_keys),
                     BufferArg::from_raw_parts(meta.handle.clone(), rows * 2),
                     BufferArg::from_raw_parts(part.handle.clone(), part_len),
+                    BufferArg::from_raw_parts(part.handle.clone(), part_len / 4),
                     BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
                     row0 as u32,
                     n as u32,
@@ -937,6 +1003,7 @@ fn launch(
                     cubes_per_group as u32,
                     head_dim,
                     groups,
+                    group > 1,
                 );
             } else {
                 paged_attention_split_kernel::launch_unchecked(
