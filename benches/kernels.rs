@@ -346,60 +346,39 @@ fn anatomy(args: &Args, device: &Device) {
         let lane_keys =
             Tensor::<1, Int>::from_data(TensorData::new(lane_keys, [rows * (context + 1)]), i32s.clone());
         let lane_meta = Tensor::<2, Int>::from_data(TensorData::new(lane_meta, [rows, 2]), i32s);
-        let cases: Vec<(&str, Call<'_>)> = vec![
-            ("rms_norm", Box::new(|_| dspark_kernels::rms_norm_rows(x.clone(), &w, 1e-6))),
-            ("add + rms_norm", Box::new(|_| dspark_kernels::add_rms_norm(x.clone(), x.clone(), &w, 1e-6).1)),
+        let mut cases: Vec<(String, Call<'_>)> = vec![
+            ("rms_norm".into(), Box::new(|_| dspark_kernels::rms_norm_rows(x.clone(), &w, 1e-6))),
             (
-                "q norm + RoPE",
+                "add + rms_norm".into(),
+                Box::new(|_| dspark_kernels::add_rms_norm(x.clone(), x.clone(), &w, 1e-6).1),
+            ),
+            (
+                "q norm + RoPE".into(),
                 Box::new(|_| {
                     dspark_kernels::qk_norm_rope(qkv.clone(), 0, heads, head_dim, &wh, &cos, &sin, 1e-6)
                         .reshape([rows, heads * head_dim])
                 }),
             ),
-            ("SwiGLU", Box::new(|_| dspark_kernels::swiglu_cols(gu.clone(), gu.clone(), 0, inter, inter))),
             (
-                "paged attention (tensor cores)",
-                Box::new(|_| {
-                    dspark_kernels::paged_attention_grouped(q.clone(), &k_pool, &v_pool, &keys, &meta, rows)
-                        .reshape([rows, heads * head_dim])
-                }),
-            ),
-            (
-                "paged attention (warp per row and head)",
-                Box::new(|_| {
-                    dspark_kernels::paged_attention_grouped(q.clone(), &k_pool, &v_pool, &keys, &meta, rows)
-                        .reshape([rows, heads * head_dim])
-                }),
-            ),
-            (
-                "paged attention (tensor cores), one row per lane",
-                Box::new(|_| {
-                    dspark_kernels::paged_attention_grouped(
-                        q.clone(),
-                        &k_pool,
-                        &v_pool,
-                        &lane_keys,
-                        &lane_meta,
-                        1,
-                    )
-                    .reshape([rows, heads * head_dim])
-                }),
-            ),
-            (
-                "paged attention (warp per row and head), one row per lane",
-                Box::new(|_| {
-                    dspark_kernels::paged_attention_grouped(
-                        q.clone(),
-                        &k_pool,
-                        &v_pool,
-                        &lane_keys,
-                        &lane_meta,
-                        1,
-                    )
-                    .reshape([rows, heads * head_dim])
-                }),
+                "SwiGLU".into(),
+                Box::new(|_| dspark_kernels::swiglu_cols(gu.clone(), gu.clone(), 0, inter, inter)),
             ),
         ];
+        // Attention with each kernel, over one window's table and over one table per lane.
+        let (q, k_pool, v_pool) = (&q, &k_pool, &v_pool);
+        for (tables, keys, meta, group) in
+            [("", &keys, &meta, rows), (", one row per lane", &lane_keys, &lane_meta, 1)]
+        {
+            for kernel in ["tensor cores", "warp per row and head"] {
+                cases.push((
+                    format!("paged attention ({kernel}){tables}"),
+                    Box::new(move |_| {
+                        dspark_kernels::paged_attention_grouped(q.clone(), k_pool, v_pool, keys, meta, group)
+                            .reshape([rows, heads * head_dim])
+                    }),
+                ));
+            }
+        }
         for (name, call) in cases {
             // The kernel is chosen when the deferred operation runs, inside the timing: the
             // switch holds for the whole measurement.
