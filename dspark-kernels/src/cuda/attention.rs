@@ -971,9 +971,9 @@ fn launch(
         // splits: its chunk is at least MIN_CHUNK keys), and write slots `< n · heads · stride`
         // of `part` and `ml` (split `< stride`: the grid's z; the tensor-core kernel's cubes
         // cover rows `< n`; it takes `part` twice, as f32 and as 16-byte words, and writes it
-        // through one of them only, chosen at compile time); the combine reads the slots the splits of each row wrote (the same
-        // `split_chunk` of the same count, at most `stride`) and writes rows `row0 .. row0 + n`
-        // of `out` within `[rows, heads, head_dim]`. Launches of one call run in order on one
+        // through one of them only, chosen at compile time); the combine reads the slots the
+        // splits of each row wrote (the same `split_chunk` of the same count, at most `stride`)
+        // and writes rows `row0 .. row0 + n` of `out` within `[rows, heads, head_dim]`. Launches of one call run in order on one
         // stream, so each finds the scratch free.
         unsafe {
             if mma {
