@@ -732,31 +732,29 @@ fn paged_attention_mma_kernel(
                         keep = o[2 * pi + 1];
                         send = o[2 * pi];
                     }
-                    let got0 = plane_shuffle_xor(send.extract(0usize), 1u32);
-                    let got1 = plane_shuffle_xor(send.extract(1usize), 1u32);
-                    let got2 = plane_shuffle_xor(send.extract(2usize), 1u32);
-                    let got3 = plane_shuffle_xor(send.extract(3usize), 1u32);
+                    let mut got = Vector::<f32, Const<4>>::new(0.0f32);
+                    got.insert(0usize, plane_shuffle_xor(send.extract(0usize), 1u32));
+                    got.insert(1usize, plane_shuffle_xor(send.extract(1usize), 1u32));
+                    got.insert(2usize, plane_shuffle_xor(send.extract(2usize), 1u32));
+                    got.insert(3usize, plane_shuffle_xor(send.extract(3usize), 1u32));
+                    // The even lane's own values come first, then its partner's; the odd lane's
+                    // after its partner's.
+                    let mut lo = keep;
+                    let mut hi = got;
+                    if odd {
+                        lo = got;
+                        hi = keep;
+                    }
                     let mut w0 = Vector::<f32, Const<4>>::new(0.0f32);
                     let mut w1 = Vector::<f32, Const<4>>::new(0.0f32);
-                    if odd {
-                        w0.insert(0usize, got0);
-                        w0.insert(1usize, got1);
-                        w0.insert(2usize, keep.extract(0usize));
-                        w0.insert(3usize, keep.extract(1usize));
-                        w1.insert(0usize, got2);
-                        w1.insert(1usize, got3);
-                        w1.insert(2usize, keep.extract(2usize));
-                        w1.insert(3usize, keep.extract(3usize));
-                    } else {
-                        w0.insert(0usize, keep.extract(0usize));
-                        w0.insert(1usize, keep.extract(1usize));
-                        w0.insert(2usize, got0);
-                        w0.insert(3usize, got1);
-                        w1.insert(0usize, keep.extract(2usize));
-                        w1.insert(1usize, keep.extract(3usize));
-                        w1.insert(2usize, got2);
-                        w1.insert(3usize, got3);
-                    }
+                    w0.insert(0usize, lo.extract(0usize));
+                    w0.insert(1usize, lo.extract(1usize));
+                    w0.insert(2usize, hi.extract(0usize));
+                    w0.insert(3usize, hi.extract(1usize));
+                    w1.insert(0usize, lo.extract(2usize));
+                    w1.insert(1usize, lo.extract(3usize));
+                    w1.insert(2usize, hi.extract(2usize));
+                    w1.insert(3usize, hi.extract(3usize));
                     // Column tile 2·pi (even lane) or 2·pi + 1 (odd), dimensions from 2·(t − t % 2).
                     let at = (2 * pi + t % 2) * 2 + t / 2;
                     if end0 > start {
