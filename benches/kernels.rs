@@ -119,7 +119,7 @@ fn time_calls(x: &Tensor<2>, weights: &[Tensor<2>], iters: usize, device: &Devic
 /// Device time per call: `iters` calls recorded as one CUDA graph, replayed `reps` times (the
 /// host launch cost is gone, so this is the kernel's own time plus the graph's gap between
 /// launches). `None` where no graph is recorded.
-fn time_graphed(mut call: impl FnMut(usize) -> Tensor<2>, iters: usize, device: &Device) -> Option<f64> {
+fn time_graphed<T>(mut call: impl FnMut(usize) -> T, iters: usize, device: &Device) -> Option<f64> {
     let (graph, outputs) = dspark_kernels::DeviceGraph::capture(device, || {
         Ok::<_, ()>((0..iters).map(&mut call).collect::<Vec<_>>())
     })
@@ -389,6 +389,64 @@ fn anatomy(args: &Args, device: &Device) {
             let layers = t.map_or("—".into(), |t| format!("{:.0}", t * 1e6 * 36.0));
             println!("| {name} | {rows} | {us} | {layers} |");
         }
+    }
+    markov_steps(args, device);
+}
+
+/// Device time of one Markov step of a DSpark draft (rank 256 over the Qwen3 vocabulary) at
+/// `--anatomy-rows` lanes, in graphs: the gather of `W1[prev]`, the `W2` product, and either the
+/// greedy choice (`argmax_sum_rows`) or a sampled step's corrected logits (widening and add),
+/// each part alone and the whole chain as the draft runs it.
+fn markov_steps(args: &Args, device: &Device) {
+    use burn::tensor::{Int, TensorData};
+    println!("\n# One Markov step (rank 256, vocabulary 151 936), device time per call in a graph\n");
+    println!(
+        "| lanes | gather µs | W2 product µs | argmax of sums µs | widen + add µs | greedy chain µs | sampled chain µs | greedy × γ = 7 µs |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let (vocab, rank, gamma) = (151_936, 256, 7);
+    let w1 = random(vocab, rank, 1.0, device);
+    let w2 = random(vocab, rank, 0.05, device);
+    for &rows in args.anatomy_rows.iter().filter(|&&r| (1..=64).contains(&r)) {
+        // One flat buffer, as the LM-head product writes the base logits: a `[rows·γ, vocab]`
+        // allocation would pad each row's pitch, and the kernels would first copy it.
+        let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+        let logits = Tensor::<1>::random([rows * gamma * vocab], Distribution::Normal(0.0, 2.0), opts)
+            .cast(DType::BF16)
+            .reshape([rows, gamma, vocab]);
+        let ids: Vec<i32> = (0..rows).map(|r| ((r * 7919 + 13) % vocab) as i32).collect();
+        let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
+        let prev = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), i32s);
+        let x = w1.clone().select(0, prev.clone());
+        let bias = dspark_kernels::linear(x.clone(), &w2);
+        let gather = |_: usize| w1.clone().select(0, prev.clone());
+        let product = |_: usize| dspark_kernels::linear(x.clone(), &w2);
+        let argmax = |k: usize| dspark_kernels::argmax_sum_rows(logits.clone(), k % gamma, bias.clone());
+        let widen = |k: usize| {
+            logits.clone().narrow(1, k % gamma, 1).reshape([rows, vocab]).cast(DType::F32)
+                + bias.clone().cast(DType::F32)
+        };
+        let greedy = |k: usize| {
+            let b = dspark_kernels::linear(w1.clone().select(0, prev.clone()), &w2);
+            dspark_kernels::argmax_sum_rows(logits.clone(), k % gamma, b)
+        };
+        let sampled = |k: usize| {
+            let b = dspark_kernels::linear(w1.clone().select(0, prev.clone()), &w2);
+            logits.clone().narrow(1, k % gamma, 1).reshape([rows, vocab]).cast(DType::F32)
+                + b.cast(DType::F32)
+        };
+        let us = |t: Option<f64>| t.map_or("—".into(), |t| format!("{:.1}", t * 1e6));
+        let chain = time_graphed(greedy, args.iters, device);
+        println!(
+            "| {rows} | {} | {} | {} | {} | {} | {} | {} |",
+            us(time_graphed(gather, args.iters, device)),
+            us(time_graphed(product, args.iters, device)),
+            us(time_graphed(argmax, args.iters, device)),
+            us(time_graphed(widen, args.iters, device)),
+            us(chain),
+            us(time_graphed(sampled, args.iters, device)),
+            chain.map_or("—".into(), |t| format!("{:.0}", t * 1e6 * gamma as f64)),
+        );
     }
 }
 
