@@ -417,24 +417,21 @@ fn markov_steps(args: &Args, device: &Device) {
         let ids: Vec<i32> = (0..rows).map(|r| ((r * 7919 + 13) % vocab) as i32).collect();
         let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
         let prev = Tensor::<1, Int>::from_data(TensorData::new(ids, [rows]), i32s);
-        let x = w1.clone().select(0, prev.clone());
-        let bias = dspark_kernels::linear(x.clone(), &w2);
+        // The parts: the gather, the product (of rows gathered once) and what follows it.
         let gather = |_: usize| w1.clone().select(0, prev.clone());
+        let x = gather(0);
         let product = |_: usize| dspark_kernels::linear(x.clone(), &w2);
-        let argmax = |k: usize| dspark_kernels::argmax_sum_rows(logits.clone(), k % gamma, bias.clone());
-        let widen = |k: usize| {
-            logits.clone().narrow(1, k % gamma, 1).reshape([rows, vocab]).cast(DType::F32)
-                + bias.clone().cast(DType::F32)
-        };
-        let greedy = |k: usize| {
-            let b = dspark_kernels::linear(w1.clone().select(0, prev.clone()), &w2);
-            dspark_kernels::argmax_sum_rows(logits.clone(), k % gamma, b)
-        };
-        let sampled = |k: usize| {
-            let b = dspark_kernels::linear(w1.clone().select(0, prev.clone()), &w2);
+        let bias = product(0);
+        let choose = |k: usize, b: Tensor<2>| dspark_kernels::argmax_sum_rows(logits.clone(), k % gamma, b);
+        let widen_add = |k: usize, b: Tensor<2>| {
             logits.clone().narrow(1, k % gamma, 1).reshape([rows, vocab]).cast(DType::F32)
                 + b.cast(DType::F32)
         };
+        let argmax = |k: usize| choose(k, bias.clone());
+        let widen = |k: usize| widen_add(k, bias.clone());
+        // The chains, as the draft runs a step.
+        let greedy = |k: usize| choose(k, dspark_kernels::linear(gather(k), &w2));
+        let sampled = |k: usize| widen_add(k, dspark_kernels::linear(gather(k), &w2));
         let us = |t: Option<f64>| t.map_or("—".into(), |t| format!("{:.1}", t * 1e6));
         let chain = time_graphed(greedy, args.iters, device);
         println!(
