@@ -1,6 +1,7 @@
 //! FP8 (e4m3) drafts on the CPU reference path: FP8 checkpoints (128×128 block scales and
 //! per-channel scales) written here from the golden tiny draft load to exactly the weights this
-//! test computes; a draft quantised at load really is quantised; greedy output with an FP8 draft
+//! test computes, their Markov and confidence heads too when stored in FP8; a draft quantised at
+//! load really is quantised; greedy output with an FP8 draft
 //! equals target-only output and sampled output keeps the target's distribution; malformed FP8
 //! checkpoints are refused naming the tensor; τ of the trained pair, FP8 vs as shipped.
 #![allow(clippy::unwrap_used)]
@@ -48,6 +49,62 @@ fn fp8_checkpoints_load_to_the_weights_the_test_computed() {
         // And not what the original draft does.
         let mut original = load(&golden().join("tiny-dspark"), &t).unwrap();
         assert_ne!(block_outputs(&mut draft, &t).1, block_outputs(&mut original, &t).1);
+    }
+}
+
+#[test]
+fn fp8_markov_and_confidence_heads_load_dequantised() {
+    // An FP8 checkpoint whose Markov head (W1, W2) and confidence head are stored in e4m3 too:
+    // they load to the dequantised values, and the draft proposes exactly what the same draft
+    // with those values stored in f32 proposes (tokens and confidences, bit for bit).
+    use dspark::{ProposeLane, SamplingParams, Speculator};
+    let t = target();
+    let heads =
+        ["markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight"];
+    for layout in [Layout::Blocks, Layout::PerChannel] {
+        let (fp8_dir, ref_dir, _) = fp8_checkpoint(layout);
+        let (fp8_file, ref_file) =
+            (fp8_dir.path().join("model.safetensors"), ref_dir.path().join("model.safetensors"));
+        let (mut stored, mut reference) = (read_all(&fp8_file), read_all(&ref_file));
+        let mut want = BTreeMap::new();
+        for name in heads {
+            let (dtype, shape, bytes) = stored[name].clone();
+            assert_eq!(dtype, Dtype::F32, "{name}");
+            let original = f32s(&bytes);
+            let (q, scale_shape, scales, deq) = quantise(&original, shape[0], shape[1], layout);
+            assert_ne!(deq, original, "{name}: quantisation changed nothing");
+            stored.insert(name.to_owned(), (Dtype::F8_E4M3, shape.clone(), q));
+            stored.insert(format!("{name}_scale_inv"), (Dtype::F32, scale_shape, bytes_of(&scales)));
+            reference.insert(name.to_owned(), (Dtype::F32, shape, bytes_of(&deq)));
+            want.insert(name, deq);
+        }
+        write_all(&fp8_file, &stored);
+        write_all(&ref_file, &reference);
+        let (mut fp8_draft, mut ref_draft) =
+            (load(fp8_dir.path(), &t).unwrap(), load(ref_dir.path(), &t).unwrap());
+        let markov = fp8_draft.markov().expect("a Markov head");
+        assert_eq!(markov.w1, want["markov_head.markov_w1.weight"], "{layout:?}");
+        assert_eq!(markov.w2, want["markov_head.markov_w2.weight"], "{layout:?}");
+        let width = fp8_draft.layer_ids().len() * 64;
+        let values: Vec<f32> = (0..7 * width).map(|i| (i as f32 * 0.29).cos()).collect();
+        let greedy = SamplingParams::greedy(8);
+        let propose = |d: &mut DSparkDraft| {
+            let features = burn::tensor::Tensor::<2>::from_data(
+                burn::tensor::TensorData::new(values.clone(), [7, width]),
+                t.device(),
+            );
+            let seq = d.begin();
+            d.extend_context(seq, features).unwrap();
+            let p = d.propose(&[ProposeLane { seq, anchor: 11, params: &greedy }]).unwrap().remove(0);
+            d.end(seq).unwrap();
+            p
+        };
+        let (a, b) = (propose(&mut fp8_draft), propose(&mut ref_draft));
+        assert_eq!(a.tokens, b.tokens, "{layout:?}");
+        let bits = |c: &Option<Vec<f32>>| {
+            c.as_ref().expect("confidences").iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&a.confidence), bits(&b.confidence), "{layout:?}");
     }
 }
 
@@ -224,6 +281,18 @@ fn malformed_fp8_checkpoints_are_refused_naming_the_tensor() {
     match load(dir.path(), &t) {
         Err(Error::TensorShape { tensor, .. }) => assert_eq!(tensor, "fc.weight"),
         other => panic!("wrong weight shape: {other:?}"),
+    }
+    // A Markov W2 stored in e4m3 without its scale.
+    let dir = malformed(|m| {
+        let w2 = m.get_mut("markov_head.markov_w2.weight").unwrap();
+        let n = w2.1.iter().product();
+        *w2 = (Dtype::F8_E4M3, w2.1.clone(), vec![0x38; n]);
+    });
+    match load(dir.path(), &t) {
+        Err(Error::MissingTensor { tensor, .. }) => {
+            assert!(tensor.contains("markov_head.markov_w2.weight_scale_inv"), "{tensor}")
+        }
+        other => panic!("FP8 W2 without a scale: {other:?}"),
     }
 }
 

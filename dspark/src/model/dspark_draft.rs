@@ -291,17 +291,23 @@ impl DSparkDraft {
             let data = ckpt.read(name, dims, ComputeDtype::F32)?;
             data.try_to_vec::<f32>().map_err(|e| Error::Backend(format!("{e:?}")))
         };
+        // The heads' matrices as host f32: dequantised where a checkpoint stores them in FP8
+        // (e4m3 with block or per-row scales, as its projections), so an FP8 checkpoint that
+        // quantised its Markov or confidence head too loads as published.
+        let matrix = |name: &str, dims: [usize; 2]| -> Result<Vec<f32>> {
+            Ok(super::fp8::read_matrix(&ckpt, name, dims)?.0)
+        };
         let markov = if r == 0 {
             None
         } else {
             let proj = match config.markov_head_type {
                 MarkovHeadType::Vanilla => None,
                 MarkovHeadType::Gated => Some((
-                    host("markov_head.gate_proj.weight", &[r, h + r])?,
+                    matrix("markov_head.gate_proj.weight", [r, h + r])?,
                     host("markov_head.gate_proj.bias", &[r])?,
                 )),
                 MarkovHeadType::Rnn => Some((
-                    host("markov_head.joint_proj.weight", &[3 * r, 2 * r + h])?,
+                    matrix("markov_head.joint_proj.weight", [3 * r, 2 * r + h])?,
                     host("markov_head.joint_proj.bias", &[3 * r])?,
                 )),
             };
@@ -309,15 +315,15 @@ impl DSparkDraft {
                 kind: config.markov_head_type,
                 rank: r,
                 hidden: h,
-                w1: host("markov_head.markov_w1.weight", &[v, r])?,
-                w2: host("markov_head.markov_w2.weight", &[v, r])?,
+                w1: matrix("markov_head.markov_w1.weight", [v, r])?,
+                w2: matrix("markov_head.markov_w2.weight", [v, r])?,
                 proj,
             })
         };
         let confidence = if config.enable_confidence_head {
             let width = h + if config.confidence_head_with_markov { r } else { 0 };
             Some(ConfidenceHead {
-                weight: host("confidence_head.proj.weight", &[1, width])?,
+                weight: matrix("confidence_head.proj.weight", [1, width])?,
                 bias: host("confidence_head.proj.bias", &[1])?[0],
                 with_markov: config.confidence_head_with_markov,
             })

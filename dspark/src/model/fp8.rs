@@ -22,7 +22,10 @@
 //! - `[out]` or `[out, 1]`: one scale per output channel (row).
 //!
 //! Anything else (another scale shape, a missing scale, another FP8 flavour such as `F8_E5M2`
-//! or the `FNUZ` variants) is refused with a typed [`Error`] naming the tensor.
+//! or the `FNUZ` variants) is refused with a typed [`Error`] naming the tensor. The Markov
+//! head's matrices (`markov_w1`, `markov_w2`, the gated and rnn projections) and the confidence
+//! head's weight may be stored the same way; they are dequantised to f32 at load (the heads
+//! run on the host, or from their host copy).
 //!
 //! Where the CUDA kernels run in bf16 ([`dspark_kernels::fp8::fp8_weights_run`]), the bytes and
 //! scales stay FP8 on the device ([`dspark_kernels::Fp8Matrix`], half the bytes of bf16) and
