@@ -443,8 +443,8 @@ pub fn markdown(report: &Value) -> String {
         s,
         "\nMemory: {memory}. Both modes use the same KV budget in bytes for the target; the speculative mode \
          adds the draft's weights and its context KV pool (sized like the target's, for committed rows only). \
-         Sampled rows: replies are the independent units (unpaired, delta method); a row passes when its whole \
-         95% interval lies within the limit. Log-probabilities: each mode computes the same fixed texts the \
+         Sampled rows: replies are the independent units (unpaired, delta method, Student's t with Welch's \
+         degrees of freedom); a row passes when its whole 95% interval lies within the limit. Log-probabilities: each mode computes the same fixed texts the \
          way its engine does (target-only one row per step; speculative verify windows of γ + 1 rows with a \
          fixed pattern of accepted prefixes and rejected rows recomputed)."
     );
