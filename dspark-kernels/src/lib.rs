@@ -8,6 +8,8 @@
 pub mod accept;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::offline;
 pub mod fp8;
 pub mod gemm_plan;
 pub mod graph;

@@ -971,3 +971,85 @@ pub(crate) fn chain_accept(
         lanes.into_dispatch(),
     ))
 }
+
+/// The acceptance kernels (no comptime arguments), transpiled without a device (see
+/// [`super::offline`]).
+pub(crate) fn offline_fixed() -> Vec<Result<super::offline::KernelSource, String>> {
+    use super::offline::{buffer, props, settings, target, transpile};
+    let b = buffer;
+    vec![
+        transpile(
+            "accept row_stats",
+            row_stats_kernel::RowStatsKernel::new(
+                settings(CubeDim::new_1d(THREADS as u32)),
+                props(),
+                target(),
+                b(),
+                b(),
+                b(),
+                b(),
+                (),
+            ),
+        ),
+        transpile(
+            "accept tests",
+            accept_tests_kernel::AcceptTestsKernel::new(
+                settings(CubeDim::new_1d(32)),
+                props(),
+                target(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                (),
+                (),
+            ),
+        ),
+        transpile(
+            "accept draw_partial",
+            draw_partial_kernel::DrawPartialKernel::new(
+                settings(CubeDim::new_1d(DRAW_THREADS as u32)),
+                props(),
+                target(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                (),
+                (),
+            ),
+        ),
+        transpile(
+            "accept draw_walk",
+            draw_walk_kernel::DrawWalkKernel::new(
+                settings(CubeDim::new_1d(DRAW_THREADS as u32)),
+                props(),
+                target(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                b(),
+                (),
+                (),
+                (),
+            ),
+        ),
+    ]
+}

@@ -209,3 +209,17 @@ impl HostWrites {
         self.client.write(&self.handle, bytes);
     }
 }
+
+/// [`copy_words_kernel`], transpiled without a device (see [`super::offline`]).
+pub(crate) fn offline_copy() -> Result<super::offline::KernelSource, String> {
+    use super::offline::{buffer, props, settings, target, transpile};
+    let kernel = copy_words_kernel::CopyWordsKernel::new(
+        settings(CubeDim::new_1d(COPY_THREADS as u32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        (),
+    );
+    transpile("copy_words", kernel)
+}

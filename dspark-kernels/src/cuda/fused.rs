@@ -16,6 +16,8 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::offline::{KernelSource, buffer, props, settings, target, transpile};
+
 /// Threads of a row-norm cube (eight warps).
 const NORM_THREADS: usize = 256;
 /// Threads of a SwiGLU cube.
@@ -1274,4 +1276,145 @@ pub(crate) fn argmax_sum(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, burn
         b.into_dispatch(),
         k,
     ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// The variants the launches above make, transpiled without a device (see `super::offline`).
+
+/// [`rms_norm_kernel`] over rows of `d`, with or without the residual add, whose delta is
+/// `splits` partial sums (0: bf16 rows), as [`launch_norm_from`] launches it.
+pub(crate) fn offline_norm(d: usize, residual: bool, splits: usize) -> Result<KernelSource, String> {
+    let kernel = rms_norm_kernel::RmsNormKernel::new(
+        settings(CubeDim::new_1d(NORM_THREADS as u32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        d,
+        residual,
+        splits,
+    );
+    transpile(&format!("rms_norm: d={d} residual={residual} splits={splits}"), kernel)
+}
+
+/// [`qk_norm_rope_kernel`] for heads of `head_dim`, as [`launch_qk`] launches it.
+pub(crate) fn offline_qk(head_dim: usize) -> Result<KernelSource, String> {
+    let kernel = qk_norm_rope_kernel::QkNormRopeKernel::new(
+        settings(CubeDim::new_1d(32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        (),
+        head_dim,
+    );
+    transpile(&format!("qk_norm_rope: head_dim={head_dim}"), kernel)
+}
+
+/// [`qkv_store_kernel`] as [`launch_qkv_store`] launches it (`heads` 0: context rows' K/V only;
+/// `idx_words` 1 or 2: i32 or i64 pool rows).
+pub(crate) fn offline_qkv_store(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    idx_words: usize,
+) -> Result<KernelSource, String> {
+    let kernel = qkv_store_kernel::QkvStoreKernel::new(
+        settings(CubeDim::new_1d(32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        heads,
+        kv_heads,
+        head_dim,
+        idx_words,
+    );
+    let label =
+        format!("qkv_store: heads={heads} kv_heads={kv_heads} head_dim={head_dim} idx_words={idx_words}");
+    transpile(&label, kernel)
+}
+
+/// The kernels of this file without comptime arguments, one variant each.
+pub(crate) fn offline_fixed() -> Vec<Result<KernelSource, String>> {
+    vec![
+        transpile(
+            "swiglu",
+            swiglu_kernel::SwigluKernel::new(
+                settings(CubeDim::new_1d(SWIGLU_THREADS as u32)),
+                props(),
+                target(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+                (),
+                (),
+                (),
+                (),
+            ),
+        ),
+        transpile(
+            "argmax_partial",
+            argmax_partial_kernel::ArgmaxPartialKernel::new(
+                settings(CubeDim::new_1d(ARGMAX_THREADS as u32)),
+                props(),
+                target(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+            ),
+        ),
+        transpile(
+            "argmax_sum_partial",
+            argmax_sum_partial_kernel::ArgmaxSumPartialKernel::new(
+                settings(CubeDim::new_1d(ARGMAX_THREADS as u32)),
+                props(),
+                target(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+                (),
+                (),
+            ),
+        ),
+        transpile(
+            "argmax_merge",
+            argmax_merge_kernel::ArgmaxMergeKernel::new(
+                settings(CubeDim::new_1d(32)),
+                props(),
+                target(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+            ),
+        ),
+    ]
 }

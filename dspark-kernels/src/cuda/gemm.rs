@@ -36,6 +36,8 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::offline::{KernelSource, buffer, props, settings, target, transpile};
+
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
 type Words = Vector<u32, Const<4>>;
 
@@ -256,6 +258,9 @@ pub(crate) fn combine_splits_kernel(parts: &[f32], y: &mut [bf16], len: u32, #[c
     }
 }
 
+/// Threads of a [`combine_splits_kernel`] cube.
+const COMBINE_THREADS: usize = 256;
+
 /// Launches [`combine_splits_kernel`] over `len` outputs of `y` (a bf16 buffer from its own
 /// start) from `parts` (`[splits, len]` f32).
 pub(crate) fn combine_splits(
@@ -265,7 +270,7 @@ pub(crate) fn combine_splits(
     len: usize,
     splits: usize,
 ) {
-    let threads = 256usize;
+    let threads = COMBINE_THREADS;
     // SAFETY: `parts` holds `splits · len` f32 and `y` at least `len` bf16 from its start; the
     // kernel touches index `i < len` of each split and of `y` only.
     unsafe {
@@ -517,4 +522,69 @@ fn swiglu_shape(x: &burn::tensor::Shape, w: &burn::tensor::Shape) -> burn::tenso
 pub(crate) fn linear_swiglu(x: Tensor<2>, w: &Tensor<2>) -> Tensor<2> {
     let y = <Dispatch as SkinnyGemmOps>::skinny_gemm_swiglu(x.into_dispatch(), w.clone().into_dispatch());
     Tensor::from_dispatch(y)
+}
+
+/// The comptime arguments of one [`skinny_gemm_kernel`] launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct GemmVariant {
+    tiles: usize,
+    unroll: usize,
+    splits: usize,
+    swiglu: bool,
+    mtiles: usize,
+}
+
+/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`]) launches for `8·tiles`
+/// rows or fewer (one launch) of an `[out, in]` weight.
+pub(crate) fn gemm_variant(tiles: usize, inp: usize, out: usize, swiglu: bool) -> GemmVariant {
+    let plan = plan(Weights::Bf16, inp / 32, out);
+    let mtiles = plan.mtiles(tiles, out, inp / 32);
+    GemmVariant {
+        tiles,
+        unroll: plan.unroll_with(tiles, mtiles),
+        splits: if swiglu { 1 } else { plan.splits },
+        swiglu,
+        mtiles,
+    }
+}
+
+/// `v` expanded and transpiled without a device (see [`super::offline`]).
+pub(crate) fn offline_gemm(v: GemmVariant) -> Result<KernelSource, String> {
+    let GemmVariant { tiles, unroll, splits, swiglu, mtiles } = v;
+    let label = format!(
+        "skinny_gemm: tiles={tiles} warps={WARPS} unroll={unroll} splits={splits} swiglu={swiglu} mtiles={mtiles}"
+    );
+    let kernel = skinny_gemm_kernel::SkinnyGemmKernel::new(
+        settings(CubeDim::new_2d(32, WARPS as u32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        tiles,
+        WARPS,
+        unroll,
+        splits,
+        swiglu,
+        mtiles,
+    );
+    transpile(&label, kernel)
+}
+
+/// The [`combine_splits_kernel`] variant [`combine_splits`] launches for `splits` splits.
+pub(crate) fn offline_combine_splits(splits: usize) -> Result<KernelSource, String> {
+    let kernel = combine_splits_kernel::CombineSplitsKernel::new(
+        settings(CubeDim::new_1d(COMBINE_THREADS as u32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        (),
+        splits,
+    );
+    transpile(&format!("combine_splits: splits={splits}"), kernel)
 }

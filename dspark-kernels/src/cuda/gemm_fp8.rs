@@ -375,3 +375,48 @@ impl Fp8GemmOps for CubeBackend {
         launch(x, words, scales, blocked)
     }
 }
+
+/// The comptime arguments of one [`fp8_gemm_kernel`] launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct Fp8Variant {
+    tiles: usize,
+    unroll: usize,
+    blocked: bool,
+    splits: usize,
+}
+
+/// The variant [`launch_product`] launches for `8·tiles` rows or fewer (one launch) of an
+/// `[out, in]` e4m3 weight with block (`blocked`) or per-row scales.
+pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool) -> Fp8Variant {
+    let plan = plan(Weights::Fp8, inp / 64, out);
+    Fp8Variant { tiles, unroll: plan.unroll(tiles), blocked, splits: plan.splits }
+}
+
+/// `v` expanded and transpiled without a device (see [`super::offline`]).
+pub(crate) fn offline_fp8_gemm(v: Fp8Variant) -> Result<super::offline::KernelSource, String> {
+    use super::offline::{buffer, props, settings, target, transpile};
+    let Fp8Variant { tiles, unroll, blocked, splits } = v;
+    let label =
+        format!("fp8_gemm: tiles={tiles} warps={WARPS} unroll={unroll} blocked={blocked} splits={splits}");
+    let kernel = fp8_gemm_kernel::Fp8GemmKernel::new(
+        settings(CubeDim::new_2d(32, WARPS as u32)),
+        props(),
+        target(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        buffer(),
+        (),
+        (),
+        (),
+        (),
+        (),
+        tiles,
+        WARPS,
+        unroll,
+        blocked,
+        splits,
+    );
+    transpile(&label, kernel)
+}

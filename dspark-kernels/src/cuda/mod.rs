@@ -9,4 +9,5 @@ pub(crate) mod copy;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemm_fp8;
+pub mod offline;
 pub(crate) mod sample;

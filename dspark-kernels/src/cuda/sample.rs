@@ -437,3 +437,41 @@ pub(crate) fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int>
     let draws = draws.cast(DType::I32);
     Tensor::from_dispatch(<Dispatch as SampleOps>::sample_rows(x.into_dispatch(), draws.into_dispatch()))
 }
+
+/// The sampling kernels (no comptime arguments), transpiled without a device (see
+/// [`super::offline`]).
+pub(crate) fn offline_fixed() -> Vec<Result<super::offline::KernelSource, String>> {
+    use super::offline::{buffer, props, settings, target, transpile};
+    vec![
+        transpile(
+            "sample draw_partial",
+            draw_partial_kernel::DrawPartialKernel::new(
+                settings(CubeDim::new_1d(THREADS as u32)),
+                props(),
+                target(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+            ),
+        ),
+        transpile(
+            "sample draw_merge",
+            draw_merge_kernel::DrawMergeKernel::new(
+                settings(CubeDim::new_1d(THREADS as u32)),
+                props(),
+                target(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                buffer(),
+                (),
+                (),
+            ),
+        ),
+    ]
+}

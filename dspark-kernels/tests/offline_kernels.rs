@@ -1,0 +1,189 @@
+//! Every CUDA kernel variant that the Qwen3-8B target, its DSpark draft and the tiny models
+//! launch, compiled without a GPU: expanded and transpiled to CUDA C++ as the runtime does at a
+//! first launch, then compiled by NVRTC to sm_90a machine code (the H200's), with ptxas'
+//! register and spill report. CI runs it; no device is involved.
+//!
+//! NVRTC and the CUDA headers come from PyPI (`scripts/nvrtc.sh` installs them and prints the
+//! two variables to set):
+//!
+//! ```text
+//! eval "$(bash scripts/nvrtc.sh target/nvrtc)"
+//! CUDARC_CUDA_VERSION=13000 cargo test -p dspark-kernels --features cuda --test offline_kernels
+//! ```
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)]
+
+use dspark_kernels::offline::{self, KernelSource, ModelDims};
+
+/// The models whose launches are compiled: Qwen3-8B and its draft (the flagship), and the
+/// golden and trained tiny pairs (the widths the CPU-side tests and the GPU golden suite use).
+fn models() -> Vec<ModelDims> {
+    let tiny = ModelDims {
+        name: "tiny-golden",
+        hidden: 64,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        intermediate: 128,
+        vocab: 512,
+        draft: None,
+    };
+    let code = ModelDims {
+        name: "tiny-code",
+        hidden: 256,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        intermediate: 768,
+        vocab: 4096,
+        draft: None,
+    };
+    vec![
+        ModelDims::qwen3_8b(),
+        ModelDims::dspark_qwen3_8b(),
+        ModelDims { name: "tiny-golden-draft", draft: Some((2, 8)), ..tiny.clone() },
+        tiny,
+        ModelDims { name: "tiny-code-draft", draft: Some((3, 32)), ..code.clone() },
+        code,
+    ]
+}
+
+fn sources() -> Vec<KernelSource> {
+    let (ok, failed): (Vec<_>, Vec<_>) = offline::catalog(&models()).into_iter().partition(Result::is_ok);
+    let failed: Vec<String> = failed.into_iter().map(Result::unwrap_err).collect();
+    assert!(failed.is_empty(), "{} variants failed to transpile:\n{}", failed.len(), failed.join("\n"));
+    ok.into_iter().map(Result::unwrap).collect()
+}
+
+/// Every kernel of the crate is in the catalog, each variant expands and transpiles, and no
+/// cube asks for more shared memory than an H200 grants one.
+#[test]
+fn every_kernel_variant_transpiles() {
+    let all = sources();
+    for kernel in [
+        "skinny_gemm_kernel",
+        "combine_splits_kernel",
+        "fp8_gemm_kernel",
+        "rms_norm_kernel",
+        "qk_norm_rope_kernel",
+        "qkv_store_kernel",
+        "swiglu_kernel",
+        "argmax_partial_kernel",
+        "argmax_sum_partial_kernel",
+        "argmax_merge_kernel",
+        "paged_attention_mma_kernel",
+        "paged_attention_split_kernel",
+        "combine_kernel",
+        "row_stats_kernel",
+        "accept_tests_kernel",
+        "draw_partial_kernel",
+        "draw_walk_kernel",
+        "draw_merge_kernel",
+        "copy_words_kernel",
+    ] {
+        assert!(
+            all.iter().any(|k| k.entrypoint.starts_with(kernel)),
+            "no variant of {kernel} in the catalog"
+        );
+    }
+    let max_shared = offline::h200_properties().hardware.max_shared_memory_size;
+    for k in &all {
+        assert!(k.source.contains(&k.entrypoint), "{}: entry point missing from its source", k.label);
+        assert!(k.shared_bytes <= max_shared, "{}: {} bytes of shared memory", k.label, k.shared_bytes);
+    }
+    println!("{} distinct kernel variants transpiled", all.len());
+}
+
+/// Register spills the kernels are allowed, in bytes stored plus loaded per thread: exactly what
+/// they spill today, so a new spill, or a larger one, fails. Both are off the decode step's hot
+/// path (once per round, on one row per lane), and both spill only a few words:
+/// - `row_stats_kernel`: 1024-thread cubes cap a thread at 64 registers;
+/// - `draw_merge_kernel` (sampling): a few words of its candidate merge.
+const SPILL_BUDGET: [(&str, u32); 2] = [("row_stats_kernel", 32), ("draw_merge_kernel", 16)];
+
+/// Every variant compiles with NVRTC to sm_90a machine code, and none spills registers to local
+/// memory beyond [`SPILL_BUDGET`] (a spill in a streaming kernel costs bandwidth the decode step
+/// cannot spare).
+#[test]
+fn every_kernel_variant_compiles_for_sm90a_without_spills() {
+    assert!(
+        offline::nvrtc_available(),
+        "NVRTC is not on the loader path: run `eval \"$(bash scripts/nvrtc.sh target/nvrtc)\"` first"
+    );
+    let include = std::env::var("DSPARK_CUDA_INCLUDE")
+        .expect("DSPARK_CUDA_INCLUDE names the CUDA headers' directory (scripts/nvrtc.sh prints it)");
+    let all = sources();
+    // NVRTC compiles distinct programs concurrently: one worker per core.
+    let workers = std::thread::available_parallelism().map_or(2, usize::from);
+    let chunk = all.len().div_ceil(workers);
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let handles: Vec<_> = all
+            .chunks(chunk)
+            .map(|part| {
+                let include = include.as_str();
+                scope.spawn(move || {
+                    part.iter().map(|k| offline::compile_sm90a(k, Some(include))).collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+    });
+    let mut failures = Vec::new();
+    let mut spills = Vec::new();
+    println!("{:>4} {:>6} {:>7} {:>7}  variant", "regs", "spill", "shared", "cubin");
+    for (k, result) in all.iter().zip(results) {
+        match result {
+            Ok(stats) => {
+                let spilled = stats.spill_stores + stats.spill_loads;
+                println!(
+                    "{:>4} {:>6} {:>7} {:>7}  {}",
+                    stats.registers, spilled, k.shared_bytes, stats.cubin_bytes, k.label
+                );
+                let budget = SPILL_BUDGET
+                    .iter()
+                    .find(|(name, _)| k.entrypoint.starts_with(name))
+                    .map_or(0, |&(_, bytes)| bytes);
+                if spilled > budget {
+                    spills.push(format!("{} ({} bytes allowed): {stats:?}", k.label, budget));
+                }
+            }
+            Err(e) => failures.push(e),
+        }
+    }
+    assert!(failures.is_empty(), "{} variants failed to compile:\n{}", failures.len(), failures.join("\n\n"));
+    assert!(spills.is_empty(), "{} variants spill registers:\n{}", spills.len(), spills.join("\n"));
+    println!("{} variants compiled for sm_90a", all.len());
+}
+
+/// The ptxas report parser reads the numbers of the entry it is asked about, not its neighbour's.
+#[test]
+fn ptxas_report_is_read_per_entry() {
+    let log = "ptxas info    : 0 bytes gmem\n\
+        ptxas info    : Compiling entry function 'a_1' for 'sm_90a'\n\
+        ptxas info    : Function properties for a_1\n    \
+        8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+        ptxas info    : Used 40 registers, used 1 barriers, 4096 bytes smem\n\
+        ptxas info    : Compiling entry function 'b_2' for 'sm_90a'\n\
+        ptxas info    : Function properties for b_2\n    \
+        0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n\
+        ptxas info    : Used 128 registers, used 1 barriers\n";
+    let a = offline::parse_ptxas(log, "a_1").unwrap();
+    assert_eq!((a.registers, a.spill_stores, a.spill_loads, a.stack), (40, 4, 12, 8));
+    let b = offline::parse_ptxas(log, "b_2").unwrap();
+    assert_eq!((b.registers, b.spill_stores, b.spill_loads, b.stack), (128, 0, 0, 0));
+    assert!(offline::parse_ptxas(log, "c_3").is_none());
+}
+
+/// A source NVRTC refuses comes back as an error carrying the compiler's log, not as a pass.
+#[test]
+fn nvrtc_refusal_is_an_error_with_its_log() {
+    assert!(offline::nvrtc_available(), "NVRTC is not on the loader path (see the file's header)");
+    let broken = KernelSource {
+        label: "broken".into(),
+        entrypoint: "broken_kernel".into(),
+        source: "extern \"C\" __global__ void broken_kernel(float* y) { y[0] = no_such_value; }".into(),
+        shared_bytes: 0,
+    };
+    let err = offline::compile_sm90a(&broken, None).unwrap_err();
+    assert!(err.contains("no_such_value"), "{err}");
+}
