@@ -131,14 +131,15 @@ fn every_kernel_variant_compiles_for_sm90a_without_spills() {
     });
     let mut failures = Vec::new();
     let mut spills = Vec::new();
-    println!("{:>4} {:>6} {:>7} {:>7}  variant", "regs", "spill", "shared", "cubin");
+    println!("{:>4} {:>6} {:>7} {:>7} {:>6}  variant", "regs", "spill", "shared", "cubin", "per SM");
     for (k, result) in all.iter().zip(results) {
         match result {
             Ok(stats) => {
                 let spilled = stats.spill_stores + stats.spill_loads;
+                let per_sm = offline::cubes_per_sm(k.threads, stats.registers, k.shared_bytes);
                 println!(
-                    "{:>4} {:>6} {:>7} {:>7}  {}",
-                    stats.registers, spilled, k.shared_bytes, stats.cubin_bytes, k.label
+                    "{:>4} {:>6} {:>7} {:>7} {:>6}  {}",
+                    stats.registers, spilled, k.shared_bytes, stats.cubin_bytes, per_sm, k.label
                 );
                 let budget = SPILL_BUDGET
                     .iter()
@@ -184,7 +185,23 @@ fn nvrtc_refusal_is_an_error_with_its_log() {
         entrypoint: "broken_kernel".into(),
         source: "extern \"C\" __global__ void broken_kernel(float* y) { y[0] = no_such_value; }".into(),
         shared_bytes: 0,
+        threads: 32,
     };
     let err = offline::compile_sm90a(&broken, None).unwrap_err();
     assert!(err.contains("no_such_value"), "{err}");
+}
+
+/// Occupancy: each limit binds where it should (registers, threads, shared memory, the cube cap).
+#[test]
+fn cubes_per_sm_takes_the_tightest_limit() {
+    // 256 threads at 33 registers: 40 per thread after rounding, 6 cubes by registers.
+    assert_eq!(offline::cubes_per_sm(256, 33, 4096), 6);
+    // At 32 registers the threads bind: 8 cubes of 256.
+    assert_eq!(offline::cubes_per_sm(256, 32, 0), 8);
+    // 173 registers: 176 per thread, 5632 per warp, 11 warps: one cube of eight.
+    assert_eq!(offline::cubes_per_sm(256, 173, 32768), 1);
+    // Shared memory: 36992 + 1024 bytes a cube, six fit in 228 KiB.
+    assert_eq!(offline::cubes_per_sm(256, 32, 36992), 6);
+    // Small cubes stop at 32.
+    assert_eq!(offline::cubes_per_sm(32, 16, 0), 32);
 }

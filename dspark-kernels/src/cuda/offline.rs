@@ -105,6 +105,8 @@ pub struct KernelSource {
     pub source: String,
     /// Shared memory the kernel declares, in bytes.
     pub shared_bytes: usize,
+    /// Threads per cube.
+    pub threads: u32,
 }
 
 /// Expands `kernel` and transpiles it to CUDA C++, as the runtime does at its first launch.
@@ -121,6 +123,7 @@ pub fn transpile<K: CubeKernel>(label: &str, kernel: K) -> Result<KernelSource, 
     };
     Ok(KernelSource {
         label: label.to_string(),
+        threads: compiled.cube_dim.num_elems(),
         entrypoint: compiled.entrypoint_name,
         source: compiled.source,
         shared_bytes,
@@ -318,6 +321,20 @@ pub struct MachineStats {
     pub stack: u32,
     /// Size of the compiled cubin, in bytes.
     pub cubin_bytes: usize,
+}
+
+/// Cubes of `threads` threads, `registers` registers each and `shared` bytes of shared memory
+/// that fit on one H200 SM at once: 65536 registers (allocated per warp in units of 256, a
+/// thread's count rounded up to 8), 2048 threads, 32 cubes, and 228 KiB of shared memory of
+/// which each cube's runtime reserves 1 KiB. A streaming kernel with few cubes per SM has few
+/// loads in flight.
+pub fn cubes_per_sm(threads: u32, registers: u32, shared: usize) -> u32 {
+    let warps = threads.div_ceil(32).max(1);
+    let per_warp = (registers.max(1).div_ceil(8) * 8 * 32).div_ceil(256) * 256;
+    let by_registers = (65_536 / per_warp) / warps;
+    let by_threads = 2048 / (warps * 32);
+    let by_shared = (233_472 / (shared + 1024)) as u32;
+    by_registers.min(by_threads).min(by_shared).min(32)
 }
 
 /// Whether NVRTC can be loaded (from the loader path, as the runtime loads it).
