@@ -975,80 +975,34 @@ pub(crate) fn chain_accept(
 /// The acceptance kernels (no comptime arguments), transpiled without a device (see
 /// [`super::offline`]).
 pub(crate) fn offline_fixed() -> Vec<Result<super::offline::KernelSource, String>> {
-    use super::offline::{buffer, props, settings, target, transpile};
-    let b = buffer;
+    use super::offline::{offline_kernel, transpile};
     vec![
         transpile(
             "accept row_stats",
-            row_stats_kernel::RowStatsKernel::new(
-                settings(CubeDim::new_1d(THREADS as u32)),
-                props(),
-                target(),
-                b(),
-                b(),
-                b(),
-                b(),
-                (),
-            ),
+            offline_kernel!(row_stats_kernel::RowStatsKernel, CubeDim::new_1d(THREADS as u32); b b b b s; ),
         ),
         transpile(
             "accept tests",
-            accept_tests_kernel::AcceptTestsKernel::new(
-                settings(CubeDim::new_1d(32)),
-                props(),
-                target(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                (),
-                (),
+            offline_kernel!(
+                accept_tests_kernel::AcceptTestsKernel,
+                CubeDim::new_1d(32);
+                b b b b b b b b s s;
             ),
         ),
         transpile(
             "accept draw_partial",
-            draw_partial_kernel::DrawPartialKernel::new(
-                settings(CubeDim::new_1d(DRAW_THREADS as u32)),
-                props(),
-                target(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                (),
-                (),
+            offline_kernel!(
+                draw_partial_kernel::DrawPartialKernel,
+                CubeDim::new_1d(DRAW_THREADS as u32);
+                b b b b b b b b b b s s;
             ),
         ),
         transpile(
             "accept draw_walk",
-            draw_walk_kernel::DrawWalkKernel::new(
-                settings(CubeDim::new_1d(DRAW_THREADS as u32)),
-                props(),
-                target(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                b(),
-                (),
-                (),
-                (),
+            offline_kernel!(
+                draw_walk_kernel::DrawWalkKernel,
+                CubeDim::new_1d(DRAW_THREADS as u32);
+                b b b b b b b b b b b s s s;
             ),
         ),
     ]

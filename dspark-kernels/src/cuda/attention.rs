@@ -1080,74 +1080,37 @@ pub(crate) fn offline_attention(
     head_dim: usize,
     groups: usize,
 ) -> Vec<Result<super::offline::KernelSource, String>> {
-    use super::offline::{buffer, props, settings, target, transpile};
-    let b = buffer;
+    use super::offline::{offline_kernel, transpile};
     let mut all = Vec::new();
     if head_dim <= 128 {
         for wide in [false, true] {
             all.push(transpile(
                 &format!("paged_attention_mma: head_dim={head_dim} groups={groups} wide={wide}"),
-                paged_attention_mma_kernel::PagedAttentionMmaKernel::new(
-                    settings(CubeDim::new_2d(32, MMA_WARPS as u32)),
-                    props(),
-                    target(),
-                    b(),
-                    b(),
-                    b(),
-                    b(),
-                    b(),
-                    b(),
-                    b(),
-                    b(),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    (),
-                    head_dim,
-                    groups,
-                    wide,
+                offline_kernel!(
+                    paged_attention_mma_kernel::PagedAttentionMmaKernel,
+                    CubeDim::new_2d(32, MMA_WARPS as u32);
+                    b b b b b b b b s s s s s s s s;
+                    head_dim, groups, wide
                 ),
             ));
         }
     }
     all.push(transpile(
         &format!("paged_attention_split: head_dim={head_dim} groups={groups}"),
-        paged_attention_split_kernel::PagedAttentionSplitKernel::new(
-            settings(CubeDim::new_2d(32, groups as u32)),
-            props(),
-            target(),
-            b(),
-            b(),
-            b(),
-            b(),
-            b(),
-            b(),
-            b(),
-            (),
-            (),
-            (),
-            (),
-            head_dim,
-            groups,
+        offline_kernel!(
+            paged_attention_split_kernel::PagedAttentionSplitKernel,
+            CubeDim::new_2d(32, groups as u32);
+            b b b b b b b s s s s;
+            head_dim, groups
         ),
     ));
     all.push(transpile(
         &format!("attention combine: head_dim={head_dim}"),
-        combine_kernel::CombineKernel::new(
-            settings(CubeDim::new_1d(head_dim as u32)),
-            props(),
-            target(),
-            b(),
-            b(),
-            b(),
-            b(),
-            (),
-            (),
-            head_dim,
+        offline_kernel!(
+            combine_kernel::CombineKernel,
+            CubeDim::new_1d(head_dim as u32);
+            b b b b s s;
+            head_dim
         ),
     ));
     all

@@ -212,14 +212,8 @@ impl HostWrites {
 
 /// [`copy_words_kernel`], transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_copy() -> Result<super::offline::KernelSource, String> {
-    use super::offline::{buffer, props, settings, target, transpile};
-    let kernel = copy_words_kernel::CopyWordsKernel::new(
-        settings(CubeDim::new_1d(COPY_THREADS as u32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        (),
-    );
+    use super::offline::{offline_kernel, transpile};
+    let kernel =
+        offline_kernel!(copy_words_kernel::CopyWordsKernel, CubeDim::new_1d(COPY_THREADS as u32); b b s; );
     transpile("copy_words", kernel)
 }

@@ -16,7 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::offline::{KernelSource, buffer, props, settings, target, transpile};
+use super::offline::{KernelSource, offline_kernel, transpile};
 
 /// Threads of a row-norm cube (eight warps).
 const NORM_THREADS: usize = 256;
@@ -1284,42 +1284,22 @@ pub(crate) fn argmax_sum(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, burn
 /// [`rms_norm_kernel`] over rows of `d`, with or without the residual add, whose delta is
 /// `splits` partial sums (0: bf16 rows), as [`launch_norm_from`] launches it.
 pub(crate) fn offline_norm(d: usize, residual: bool, splits: usize) -> Result<KernelSource, String> {
-    let kernel = rms_norm_kernel::RmsNormKernel::new(
-        settings(CubeDim::new_1d(NORM_THREADS as u32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        (),
-        (),
-        (),
-        d,
-        residual,
-        splits,
+    let kernel = offline_kernel!(
+        rms_norm_kernel::RmsNormKernel,
+        CubeDim::new_1d(NORM_THREADS as u32);
+        b b b b b b s s s;
+        d, residual, splits
     );
     transpile(&format!("rms_norm: d={d} residual={residual} splits={splits}"), kernel)
 }
 
 /// [`qk_norm_rope_kernel`] for heads of `head_dim`, as [`launch_qk`] launches it.
 pub(crate) fn offline_qk(head_dim: usize) -> Result<KernelSource, String> {
-    let kernel = qk_norm_rope_kernel::QkNormRopeKernel::new(
-        settings(CubeDim::new_1d(32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        (),
-        (),
-        (),
-        (),
-        head_dim,
+    let kernel = offline_kernel!(
+        qk_norm_rope_kernel::QkNormRopeKernel,
+        CubeDim::new_1d(32);
+        b b b b b s s s s;
+        head_dim
     );
     transpile(&format!("qk_norm_rope: head_dim={head_dim}"), kernel)
 }
@@ -1332,26 +1312,11 @@ pub(crate) fn offline_qkv_store(
     head_dim: usize,
     idx_words: usize,
 ) -> Result<KernelSource, String> {
-    let kernel = qkv_store_kernel::QkvStoreKernel::new(
-        settings(CubeDim::new_1d(32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        (),
-        (),
-        (),
-        heads,
-        kv_heads,
-        head_dim,
-        idx_words,
+    let kernel = offline_kernel!(
+        qkv_store_kernel::QkvStoreKernel,
+        CubeDim::new_1d(32);
+        b b b b b b b b b s s s;
+        heads, kv_heads, head_dim, idx_words
     );
     let label =
         format!("qkv_store: heads={heads} kv_heads={kv_heads} head_dim={head_dim} idx_words={idx_words}");
@@ -1363,58 +1328,31 @@ pub(crate) fn offline_fixed() -> Vec<Result<KernelSource, String>> {
     vec![
         transpile(
             "swiglu",
-            swiglu_kernel::SwigluKernel::new(
-                settings(CubeDim::new_1d(SWIGLU_THREADS as u32)),
-                props(),
-                target(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
-                (),
-                (),
-                (),
-                (),
+            offline_kernel!(
+                swiglu_kernel::SwigluKernel,
+                CubeDim::new_1d(SWIGLU_THREADS as u32);
+                b b b s s s s s;
             ),
         ),
         transpile(
             "argmax_partial",
-            argmax_partial_kernel::ArgmaxPartialKernel::new(
-                settings(CubeDim::new_1d(ARGMAX_THREADS as u32)),
-                props(),
-                target(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
+            offline_kernel!(
+                argmax_partial_kernel::ArgmaxPartialKernel,
+                CubeDim::new_1d(ARGMAX_THREADS as u32);
+                b b b s;
             ),
         ),
         transpile(
             "argmax_sum_partial",
-            argmax_sum_partial_kernel::ArgmaxSumPartialKernel::new(
-                settings(CubeDim::new_1d(ARGMAX_THREADS as u32)),
-                props(),
-                target(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
-                (),
-                (),
+            offline_kernel!(
+                argmax_sum_partial_kernel::ArgmaxSumPartialKernel,
+                CubeDim::new_1d(ARGMAX_THREADS as u32);
+                b b b b s s s;
             ),
         ),
         transpile(
             "argmax_merge",
-            argmax_merge_kernel::ArgmaxMergeKernel::new(
-                settings(CubeDim::new_1d(32)),
-                props(),
-                target(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
-            ),
+            offline_kernel!(argmax_merge_kernel::ArgmaxMergeKernel, CubeDim::new_1d(32); b b b s; ),
         ),
     ]
 }

@@ -36,7 +36,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::offline::{KernelSource, buffer, props, settings, target, transpile};
+use super::offline::{KernelSource, offline_kernel, transpile};
 
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
 type Words = Vector<u32, Const<4>>;
@@ -554,37 +554,22 @@ pub(crate) fn offline_gemm(v: GemmVariant) -> Result<KernelSource, String> {
     let label = format!(
         "skinny_gemm: tiles={tiles} warps={WARPS} unroll={unroll} splits={splits} swiglu={swiglu} mtiles={mtiles}"
     );
-    let kernel = skinny_gemm_kernel::SkinnyGemmKernel::new(
-        settings(CubeDim::new_2d(32, WARPS as u32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        (),
-        (),
-        (),
-        tiles,
-        WARPS,
-        unroll,
-        splits,
-        swiglu,
-        mtiles,
+    let kernel = offline_kernel!(
+        skinny_gemm_kernel::SkinnyGemmKernel,
+        CubeDim::new_2d(32, WARPS as u32);
+        b b b b s s s;
+        tiles, WARPS, unroll, splits, swiglu, mtiles
     );
     transpile(&label, kernel)
 }
 
 /// The [`combine_splits_kernel`] variant [`combine_splits`] launches for `splits` splits.
 pub(crate) fn offline_combine_splits(splits: usize) -> Result<KernelSource, String> {
-    let kernel = combine_splits_kernel::CombineSplitsKernel::new(
-        settings(CubeDim::new_1d(COMBINE_THREADS as u32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        (),
-        splits,
+    let kernel = offline_kernel!(
+        combine_splits_kernel::CombineSplitsKernel,
+        CubeDim::new_1d(COMBINE_THREADS as u32);
+        b b s;
+        splits
     );
     transpile(&format!("combine_splits: splits={splits}"), kernel)
 }

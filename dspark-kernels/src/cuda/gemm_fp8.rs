@@ -394,29 +394,15 @@ pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool) -
 
 /// `v` expanded and transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_fp8_gemm(v: Fp8Variant) -> Result<super::offline::KernelSource, String> {
-    use super::offline::{buffer, props, settings, target, transpile};
+    use super::offline::{offline_kernel, transpile};
     let Fp8Variant { tiles, unroll, blocked, splits } = v;
     let label =
         format!("fp8_gemm: tiles={tiles} warps={WARPS} unroll={unroll} blocked={blocked} splits={splits}");
-    let kernel = fp8_gemm_kernel::Fp8GemmKernel::new(
-        settings(CubeDim::new_2d(32, WARPS as u32)),
-        props(),
-        target(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        buffer(),
-        (),
-        (),
-        (),
-        (),
-        (),
-        tiles,
-        WARPS,
-        unroll,
-        blocked,
-        splits,
+    let kernel = offline_kernel!(
+        fp8_gemm_kernel::Fp8GemmKernel,
+        CubeDim::new_2d(32, WARPS as u32);
+        b b b b b s s s s s;
+        tiles, WARPS, unroll, blocked, splits
     );
     transpile(&label, kernel)
 }

@@ -135,6 +135,33 @@ pub(crate) fn settings(cube_dim: CubeDim) -> KernelSettings {
     KernelSettings::new(cube_dim.into(), ExecutionMode::Unchecked, AddressType::U32)
 }
 
+/// `Kernel::new(..)` of a `#[cube(launch_unchecked)]` kernel, for [`transpile`]: the settings of
+/// a cube of `$cube_dim`, the H200's properties, then one compilation argument per runtime
+/// parameter in declaration order (`b` a buffer, `s` a scalar), then the comptime arguments.
+macro_rules! offline_kernel {
+    ($kernel:ty, $cube_dim:expr; $($arg:ident)*; $($comptime:expr),* $(,)?) => {
+        <$kernel>::new(
+            $crate::cuda::offline::settings($cube_dim),
+            $crate::cuda::offline::props(),
+            $crate::cuda::offline::target(),
+            $($crate::cuda::offline::offline_arg!($arg),)*
+            $($comptime,)*
+        )
+    };
+}
+pub(crate) use offline_kernel;
+
+/// One runtime parameter's compilation argument in [`offline_kernel`]: `b` a buffer, `s` a scalar.
+macro_rules! offline_arg {
+    (b) => {
+        $crate::cuda::offline::buffer()
+    };
+    (s) => {
+        ()
+    };
+}
+pub(crate) use offline_arg;
+
 /// A buffer argument as a launch registers it (not aliased to another).
 pub(crate) fn buffer() -> BufferCompilationArg {
     BufferCompilationArg { inplace: None }

@@ -441,36 +441,22 @@ pub(crate) fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int>
 /// The sampling kernels (no comptime arguments), transpiled without a device (see
 /// [`super::offline`]).
 pub(crate) fn offline_fixed() -> Vec<Result<super::offline::KernelSource, String>> {
-    use super::offline::{buffer, props, settings, target, transpile};
+    use super::offline::{offline_kernel, transpile};
     vec![
         transpile(
             "sample draw_partial",
-            draw_partial_kernel::DrawPartialKernel::new(
-                settings(CubeDim::new_1d(THREADS as u32)),
-                props(),
-                target(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
+            offline_kernel!(
+                draw_partial_kernel::DrawPartialKernel,
+                CubeDim::new_1d(THREADS as u32);
+                b b b b b s;
             ),
         ),
         transpile(
             "sample draw_merge",
-            draw_merge_kernel::DrawMergeKernel::new(
-                settings(CubeDim::new_1d(THREADS as u32)),
-                props(),
-                target(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                buffer(),
-                (),
-                (),
+            offline_kernel!(
+                draw_merge_kernel::DrawMergeKernel,
+                CubeDim::new_1d(THREADS as u32);
+                b b b b b b s s;
             ),
         ),
     ]
