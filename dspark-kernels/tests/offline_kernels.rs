@@ -10,6 +10,10 @@
 //! eval "$(bash scripts/nvrtc.sh target/nvrtc)"
 //! CUDARC_CUDA_VERSION=13000 cargo test -p dspark-kernels --features cuda --test offline_kernels
 //! ```
+//!
+//! With `DSPARK_OFFLINE_DUMP=DIR`, each variant's CUDA C++ is also written to `DIR/ENTRY.cu`
+//! (its label in a first comment line), for reading what a kernel became, or for comparing the
+//! code of two versions of it.
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)]
 
@@ -85,6 +89,13 @@ fn every_kernel_variant_transpiles() {
             all.iter().any(|k| k.entrypoint.starts_with(kernel)),
             "no variant of {kernel} in the catalog"
         );
+    }
+    if let Ok(dir) = std::env::var("DSPARK_OFFLINE_DUMP") {
+        std::fs::create_dir_all(&dir).unwrap();
+        for k in &all {
+            let text = format!("// {}\n{}", k.label, k.source);
+            std::fs::write(std::path::Path::new(&dir).join(format!("{}.cu", k.entrypoint)), text).unwrap();
+        }
     }
     let max_shared = offline::h200_properties().hardware.max_shared_memory_size;
     for k in &all {
