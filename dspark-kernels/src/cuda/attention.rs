@@ -283,6 +283,25 @@ const MMA_ROWS: usize = 64;
 
 /// Round an f32 to bf16 (nearest, ties to even) and return its 16 bits in the low half of the
 /// word. Finite inputs only (softmax weights in `[0, 1]` and their rounding remainders).
+/// A lane's scalar stores of one of its two (row, head) pairs (`pair` 0: elements 0 and 1 of
+/// each accumulator word, 1: elements 2 and 3) into `part`'s slot `slot`, columns
+/// `nd·8 + 2t, nd·8 + 2t + 1`.
+#[cube]
+fn store_pair(
+    part: &mut [f32],
+    o: &Array<Vector<f32, Const<4>>>,
+    slot: usize,
+    t: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] pair: usize,
+) {
+    #[unroll]
+    for nd in 0..head_dim / 8 {
+        part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(comptime![2 * pair]);
+        part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(comptime![2 * pair + 1]);
+    }
+}
+
 #[cube]
 fn bf16_bits(x: f32) -> u32 {
     let b = u32::reinterpret(x);
@@ -767,20 +786,10 @@ fn paged_attention_mma_kernel(
             } else {
                 // Scalar stores of this lane's own values, only for pairs in the pass.
                 if end0 > start {
-                    let slot = (r0 * heads + h0) * stride + split;
-                    #[unroll]
-                    for nd in 0..head_dim / 8 {
-                        part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(0usize);
-                        part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(1usize);
-                    }
+                    store_pair(part, &o, (r0 * heads + h0) * stride + split, t, head_dim, 0usize);
                 }
                 if end1 > start {
-                    let slot = (r1 * heads + h1) * stride + split;
-                    #[unroll]
-                    for nd in 0..head_dim / 8 {
-                        part[slot * head_dim + nd * 8 + 2 * t] = o[nd].extract(2usize);
-                        part[slot * head_dim + nd * 8 + 2 * t + 1] = o[nd].extract(3usize);
-                    }
+                    store_pair(part, &o, (r1 * heads + h1) * stride + split, t, head_dim, 1usize);
                 }
             }
             if t == 0 {
