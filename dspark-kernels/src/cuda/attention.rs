@@ -76,8 +76,8 @@ fn split_stride(n_keys: usize) -> usize {
 /// reduction order never depends on the rows beside it.
 #[cube]
 fn split_chunk(count: usize) -> usize {
-    let per = (count + MAX_SPLITS - 1) / MAX_SPLITS;
-    let mut chunk = (per + MIN_CHUNK - 1) / MIN_CHUNK * MIN_CHUNK;
+    let per = count.div_ceil(MAX_SPLITS);
+    let mut chunk = per.div_ceil(MIN_CHUNK) * MIN_CHUNK;
     if chunk == 0 {
         chunk = MIN_CHUNK;
     }
@@ -832,7 +832,7 @@ fn combine_kernel(
     let stride = stride as usize;
     let count = meta[2 * row + 1] as usize;
     let chunk = split_chunk(count);
-    let mut splits = (count + chunk - 1) / chunk;
+    let mut splits = count.div_ceil(chunk);
     // Only a row reading past the key table could have more (the launch's contract rules it
     // out); never read past the scratch.
     if splits > stride {

@@ -107,7 +107,7 @@ fn rms_norm_kernel(
     // 2. Warp butterfly, then the eight warps in order.
     let warp_sum = plane_sum(part);
     let mut partial = Shared::<[f32]>::new_slice(NORM_THREADS / 32);
-    if tid % 32 == 0 {
+    if tid.is_multiple_of(32) {
         partial[tid / 32] = warp_sum;
     }
     sync_cube();
