@@ -55,10 +55,12 @@ impl Meter {
                 .strip_prefix("cuda:")
                 .map_or(Ok(0), str::parse)
                 .map_err(|_| format!("device {device:?}: expected cpu, cuda or cuda:N"))?;
-            return cuda::Sampler::start(ordinal).map(Meter::Cuda);
+            cuda::Sampler::start(ordinal).map(Meter::Cuda)
         }
         #[cfg(not(feature = "cuda"))]
-        Err(format!("device {device:?}: this binary was built without the `cuda` feature"))
+        {
+            Err(format!("device {device:?}: this binary was built without the `cuda` feature"))
+        }
     }
 
     /// Mark the end of model building: on CPU the peak is reset (`/proc/self/clear_refs`), so
