@@ -23,7 +23,6 @@ use dspark_kernels::offline::{self, KernelSource, ModelDims};
 /// golden and trained tiny pairs (the widths the CPU-side tests and the GPU golden suite use).
 fn models() -> Vec<ModelDims> {
     let tiny = ModelDims {
-        name: "tiny-golden",
         hidden: 64,
         heads: 4,
         kv_heads: 2,
@@ -33,7 +32,6 @@ fn models() -> Vec<ModelDims> {
         draft: None,
     };
     let code = ModelDims {
-        name: "tiny-code",
         hidden: 256,
         heads: 4,
         kv_heads: 2,
@@ -45,9 +43,9 @@ fn models() -> Vec<ModelDims> {
     vec![
         ModelDims::qwen3_8b(),
         ModelDims::dspark_qwen3_8b(),
-        ModelDims { name: "tiny-golden-draft", draft: Some((2, 8)), ..tiny.clone() },
+        ModelDims { draft: Some((2, 8)), ..tiny.clone() },
         tiny,
-        ModelDims { name: "tiny-code-draft", draft: Some((3, 32)), ..code.clone() },
+        ModelDims { draft: Some((3, 32)), ..code.clone() },
         code,
     ]
 }

@@ -178,8 +178,6 @@ pub(crate) fn target() -> Arc<TargetProperties> {
 /// The shapes one model hands the kernels.
 #[derive(Debug, Clone)]
 pub struct ModelDims {
-    /// What the model is, for the labels.
-    pub name: &'static str,
     /// Hidden width.
     pub hidden: usize,
     /// Query heads.
@@ -201,7 +199,6 @@ impl ModelDims {
     /// Qwen3-8B: 32/8 heads of 128, hidden 4096, FFN 12288, vocab 151936.
     pub fn qwen3_8b() -> Self {
         Self {
-            name: "qwen3-8b",
             hidden: 4096,
             heads: 32,
             kv_heads: 8,
@@ -214,7 +211,7 @@ impl ModelDims {
 
     /// The DSpark draft of Qwen3-8B: the target's widths, fc over 5 target layers, Markov rank 256.
     pub fn dspark_qwen3_8b() -> Self {
-        Self { name: "dspark-qwen3-8b", draft: Some((5, 256)), ..Self::qwen3_8b() }
+        Self { draft: Some((5, 256)), ..Self::qwen3_8b() }
     }
 
     /// The bf16 `[out, in]` products of the model: q, k/v, fused q/k/v, o, gate/up (alone and
