@@ -407,7 +407,13 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
 /// of 16-row blocks, and a plan that does not cut the reduction (the epilogue sums whole rows).
 pub(crate) fn takes_swiglu(x: &Tensor<2>, w: &Tensor<2>) -> bool {
     let [out, inp] = w.dims();
-    takes(x, w) && plan(Weights::Bf16, inp / 32, out).splits == 1
+    takes(x, w) && swiglu_plan_fits(inp, out)
+}
+
+/// Whether an `[out, in]` paired weight's plan leaves the reduction whole, as the SwiGLU
+/// epilogue needs.
+pub(crate) fn swiglu_plan_fits(inp: usize, out: usize) -> bool {
+    plan(Weights::Bf16, inp / 32, out).splits == 1
 }
 
 /// `silu(g)·u` of a paired gate/up weight in one pass: `x` `[rows, in]`, `w` `[out, in]` whose

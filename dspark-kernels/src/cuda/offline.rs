@@ -277,7 +277,8 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
             let bf16_splits = plan(Weights::Bf16, inp / 32, out).splits;
             for tiles in 1..=8 {
                 all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, false)));
-                if out.is_multiple_of(32) && bf16_splits == 1 {
+                // As `linear_swiglu` decides (the shape is one `products` kept).
+                if super::gemm::swiglu_plan_fits(inp, out) {
                     all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, true)));
                 }
             }
