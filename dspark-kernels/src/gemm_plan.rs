@@ -105,9 +105,12 @@ impl GemmPlan {
     }
 
     /// [`Self::unroll`] for a cube of `mtiles` weight blocks: the same weight bytes in flight
-    /// per warp (each chunk is `mtiles` times as many weight words).
-    pub fn unroll_with(self, tiles: usize, mtiles: usize) -> usize {
-        (self.unroll(tiles) / mtiles.max(1)).max(1)
+    /// per warp (each chunk is `mtiles` times as many weight words), and never more chunks than
+    /// a warp of `warps` has in a reduction of `chunks` (a Markov W2 gives each warp one chunk:
+    /// a second slot would only load and multiply zeros, and hold registers).
+    pub fn unroll_with(self, tiles: usize, mtiles: usize, chunks: usize, warps: usize) -> usize {
+        let per_warp = (chunks / self.splits.max(1)).div_ceil(warps.max(1));
+        (self.unroll(tiles) / mtiles.max(1)).min(per_warp).max(1)
     }
 }
 
@@ -270,7 +273,19 @@ mod tests {
         assert_eq!((down.mtiles_fp8(1, 4096, 192), down.warps(192)), (1, 8));
         // The same weight bytes in flight.
         let plan = p(4096, 24576);
-        assert_eq!([plan.unroll_with(2, 2), plan.unroll_with(3, 2), plan.unroll_with(1, 1)], [2, 1, 8]);
+        let c = 4096 / 32;
+        assert_eq!(
+            [
+                plan.unroll_with(2, 2, c, WARPS),
+                plan.unroll_with(3, 2, c, WARPS),
+                plan.unroll_with(1, 1, c, WARPS)
+            ],
+            [2, 1, 8]
+        );
+        // A W2 (8 bf16 chunks, one per warp; 4 FP8 chunks over 4 warps): one chunk in flight.
+        let w2 = p(256, 151_936);
+        assert_eq!(w2.unroll_with(1, 4, 8, WARPS), 1);
+        assert_eq!(chosen(Weights::Fp8, 4, 151_936).unroll_with(1, 4, 4, 4), 1);
     }
 
     #[test]

@@ -355,7 +355,7 @@ pub(crate) fn launch_product(
                 2f32.powi(120),
                 tiles,
                 warps,
-                plan.unroll_with(tiles, mt),
+                plan.unroll_with(tiles, mt, inp / 64, warps),
                 blocked,
                 plan.splits,
                 mt,
