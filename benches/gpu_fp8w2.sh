@@ -3,8 +3,9 @@
 # xz-compressed, in out/carry (bench-kernels, bench-draft, and the gpu_kernels and gpu_golden
 # test binaries; see benches/gpu_fp8.sh for the build).
 #   check: the FP8 kernel with several weight blocks per cube and one warp per chunk against
-#          one block and float64 (the W2 shape among them); FP8 drafts through the CUDA path at
-#          Qwen3-8B shapes and on the trained pair (tau with the FP8 W2).
+#          one block and float64 (the W2 shape among them), and the bf16 skinny GEMM tests (the
+#          unroll cap touches both kernels); FP8 drafts through the CUDA path at Qwen3-8B
+#          shapes and on the trained pair (tau with the FP8 W2).
 #   bench: W2 products in FP8 and bf16 by weight blocks per cube; the FP8 layer shapes with more
 #          blocks per cube; draft rounds bf16 / FP8 + FP8 head at context 512; an ncu listing
 #          of one FP8 + FP8-head proposal.
@@ -16,7 +17,7 @@ PHASE=${1:-check}
 
 case "$PHASE" in
 check)
-    timeout 200 out/bin/gpu_kernels --test-threads=1 --nocapture fp8 > "$OUT/gpu_kernels-fp8w2.log" 2>&1
+    timeout 300 out/bin/gpu_kernels --test-threads=1 --nocapture fp8 skinny_gemm > "$OUT/gpu_kernels-fp8w2.log" 2>&1
     echo "gpu_kernels exit $?"; grep -E "^test |test result|panicked|blocks per cube" "$OUT/gpu_kernels-fp8w2.log"
     timeout 330 out/bin/gpu_golden --test-threads=1 --nocapture fp8 qwen3_8b trained_pair \
         > "$OUT/gpu_golden-fp8w2.log" 2>&1
