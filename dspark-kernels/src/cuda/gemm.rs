@@ -541,7 +541,7 @@ pub(crate) fn gemm_variant(tiles: usize, inp: usize, out: usize, swiglu: bool) -
     let mtiles = plan.mtiles(tiles, out, inp / 32);
     GemmVariant {
         tiles,
-        unroll: plan.unroll_with(tiles, mtiles),
+        unroll: plan.unroll_with(tiles, mtiles, inp / 32, WARPS),
         splits: if swiglu { 1 } else { plan.splits },
         swiglu,
         mtiles,

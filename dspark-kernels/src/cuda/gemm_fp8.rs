@@ -402,29 +402,41 @@ impl Fp8GemmOps for CubeBackend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Fp8Variant {
     tiles: usize,
+    warps: usize,
     unroll: usize,
     blocked: bool,
     splits: usize,
+    mtiles: usize,
 }
 
 /// The variant [`launch_product`] launches for `8·tiles` rows or fewer (one launch) of an
 /// `[out, in]` e4m3 weight with block (`blocked`) or per-row scales.
 pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool) -> Fp8Variant {
     let plan = plan(Weights::Fp8, inp / 64, out);
-    Fp8Variant { tiles, unroll: plan.unroll(tiles), blocked, splits: plan.splits }
+    let warps = plan.warps(inp / 64);
+    let mtiles = plan.mtiles_fp8(tiles, out, inp / 64);
+    Fp8Variant {
+        tiles,
+        warps,
+        unroll: plan.unroll_with(tiles, mtiles, inp / 64, warps),
+        blocked,
+        splits: plan.splits,
+        mtiles,
+    }
 }
 
 /// `v` expanded and transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_fp8_gemm(v: Fp8Variant) -> Result<super::offline::KernelSource, String> {
     use super::offline::{offline_kernel, transpile};
-    let Fp8Variant { tiles, unroll, blocked, splits } = v;
-    let label =
-        format!("fp8_gemm: tiles={tiles} warps={WARPS} unroll={unroll} blocked={blocked} splits={splits}");
+    let Fp8Variant { tiles, warps, unroll, blocked, splits, mtiles } = v;
+    let label = format!(
+        "fp8_gemm: tiles={tiles} warps={warps} unroll={unroll} blocked={blocked} splits={splits} mtiles={mtiles}"
+    );
     let kernel = offline_kernel!(
         fp8_gemm_kernel::Fp8GemmKernel,
-        CubeDim::new_2d(32, WARPS as u32);
+        CubeDim::new_2d(32, warps as u32);
         b b b b b s s s s s;
-        tiles, WARPS, unroll, blocked, splits
+        tiles, warps, unroll, blocked, splits, mtiles
     );
     transpile(&label, kernel)
 }
