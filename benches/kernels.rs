@@ -65,7 +65,7 @@ struct Args {
     #[arg(long)]
     plans_only: bool,
     /// Also time the chosen plans with these weight blocks per cube forced (1, 2, 4 or 8; where
-    /// they do not fit, 1), in the `--plans` table (bf16 only).
+    /// they do not fit, 1), in the `--plans` table (bf16, and FP8 with `--fp8`).
     #[arg(long, value_delimiter = ',')]
     mtiles: Vec<usize>,
     /// Only the matrices whose name contains one of these, in every table (all when empty).

@@ -83,18 +83,43 @@ impl GemmPlan {
         matches!(mtiles, 1 | 2 | 4 | 8) && out.is_multiple_of(16 * mtiles) && mtiles * tiles.max(1) <= 8
     }
 
+    /// Blocks of 16 weight rows per cube of the FP8 kernel: as [`Self::mtiles`] for a short
+    /// reduction (a Markov W2 of rank 256 is 4 FP8 chunks of 64: one per warp), else 1 (the wide
+    /// FP8 products were not measured faster with more).
+    pub fn mtiles_fp8(self, tiles: usize, out: usize, chunks: usize) -> usize {
+        if let Some(forced) = *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) {
+            return if Self::blocks_fit(forced, tiles, out) { forced } else { 1 };
+        }
+        if chunks / self.splits.max(1) <= WARPS && Self::blocks_fit(4, tiles, out) && out / 64 >= 132 {
+            4
+        } else {
+            1
+        }
+    }
+
+    /// Warps per cube for a reduction of `chunks` chunks: [`WARPS`], or one per chunk of a
+    /// cube's range when it has fewer (a warp without a chunk would only add zeros). A function
+    /// of the shape and the plan, so the order of the sums stays batch-invariant.
+    pub fn warps(self, chunks: usize) -> usize {
+        (chunks / self.splits.max(1)).clamp(1, WARPS)
+    }
+
     /// [`Self::unroll`] for a cube of `mtiles` weight blocks: the same weight bytes in flight
-    /// per warp (each chunk is `mtiles` times as many weight words).
-    pub fn unroll_with(self, tiles: usize, mtiles: usize) -> usize {
-        (self.unroll(tiles) / mtiles.max(1)).max(1)
+    /// per warp (each chunk is `mtiles` times as many weight words), and never more chunks than
+    /// a warp of `warps` has in a reduction of `chunks` (a Markov W2 gives each warp one chunk:
+    /// a second slot would only load and multiply zeros, and hold registers).
+    pub fn unroll_with(self, tiles: usize, mtiles: usize, chunks: usize, warps: usize) -> usize {
+        let per_warp = (chunks / self.splits.max(1)).div_ceil(warps.max(1));
+        (self.unroll(tiles) / mtiles.max(1)).min(per_warp).max(1)
     }
 }
 
-/// Blocks per cube forced on every bf16 product (1, or 2 where the tiles allow), or `None` for
-/// the choice of [`GemmPlan::mtiles`]. For A/B benchmarks; results do not change (see there).
+/// Blocks per cube forced on every bf16 and FP8 product where they fit, or `None` for the
+/// choice of [`GemmPlan::mtiles`] and [`GemmPlan::mtiles_fp8`]. For A/B benchmarks; results do
+/// not change (see there).
 static FORCED_MTILES: Mutex<Option<usize>> = Mutex::new(None);
 
-/// Forces the weight blocks per cube of the bf16 skinny GEMM where they [fit](GemmPlan::blocks_fit)
+/// Forces the weight blocks per cube of the bf16 and FP8 skinny GEMMs where they [fit](GemmPlan::blocks_fit)
 /// (1 elsewhere; see [`GemmPlan::mtiles`]); `None`
 /// goes back to the choice per shape. Numerically neutral: for benchmarks.
 #[doc(hidden)]
@@ -239,9 +264,28 @@ mod tests {
         // A Markov W2 (rank 256: one chunk per warp): 4 blocks up to 2 tiles, then 2, then 1.
         let w2 = p(256, 151_936);
         assert_eq!([1, 2, 3, 4, 5].map(|t| w2.mtiles(t, 151_936, 8)), [4, 4, 2, 2, 1]);
+        // FP8: a W2 (4 chunks of 64: four warps, one chunk each) takes 4 blocks up to 2 tiles;
+        // the wide products stay at 1 block of 8 warps.
+        let w2 = chosen(Weights::Fp8, 4, 151_936);
+        assert_eq!([1, 2, 3].map(|t| w2.mtiles_fp8(t, 151_936, 4)), [4, 4, 1]);
+        assert_eq!(w2.warps(4), 4);
+        let down = chosen(Weights::Fp8, 12288 / 64, 4096);
+        assert_eq!((down.mtiles_fp8(1, 4096, 192), down.warps(192)), (1, 8));
         // The same weight bytes in flight.
         let plan = p(4096, 24576);
-        assert_eq!([plan.unroll_with(2, 2), plan.unroll_with(3, 2), plan.unroll_with(1, 1)], [2, 1, 8]);
+        let c = 4096 / 32;
+        assert_eq!(
+            [
+                plan.unroll_with(2, 2, c, WARPS),
+                plan.unroll_with(3, 2, c, WARPS),
+                plan.unroll_with(1, 1, c, WARPS)
+            ],
+            [2, 1, 8]
+        );
+        // A W2 (8 bf16 chunks, one per warp; 4 FP8 chunks over 4 warps): one chunk in flight.
+        let w2 = p(256, 151_936);
+        assert_eq!(w2.unroll_with(1, 4, 8, WARPS), 1);
+        assert_eq!(chosen(Weights::Fp8, 4, 151_936).unroll_with(1, 4, 4, 4), 1);
     }
 
     #[test]

@@ -1313,6 +1313,65 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
     }
 }
 
+#[test]
+fn fp8_gemm_blocks_per_cube_match_one() {
+    // The FP8 kernel with 2, 4 and 8 weight blocks per cube (forced) against one: the same bits,
+    // per-row and block scales. A Markov W2 in FP8 (rank 256: four chunks of 64, so four warps
+    // of one chunk each, and four blocks chosen up to 16 rows) against float64 on sampled
+    // columns, and each row alone equal to the same row among others.
+    use dspark_kernels::fp8::ScaleGrid;
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    let forced = |mt: Option<usize>, elems: usize, f: &dyn Fn() -> Tensor<2>| {
+        dspark_kernels::force_mtiles(mt);
+        poison(elems, &device);
+        let y = host(f());
+        dspark_kernels::force_mtiles(None);
+        y
+    };
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits());
+    for (i, &(inp, out, grid)) in [
+        (256usize, 151_936usize, ScaleGrid::PerRow),
+        (4096, 4096, ScaleGrid::Blocks),
+        (12288, 1024, ScaleGrid::PerRow),
+        (256, 1024, ScaleGrid::Blocks),
+    ]
+    .iter()
+    .enumerate()
+    {
+        let case = Fp8Case::new(out, inp, grid, 500 + i as u64, &device);
+        let mut cols: Vec<usize> = (0..out).step_by(if out > 8192 { 97 } else { 7 }).collect();
+        cols.push(out - 1);
+        for rows in [1usize, 8, 16] {
+            let x = random(rows, inp, 1.0, &device);
+            let product = || dspark_kernels::linear_fp8(x.clone(), &case.m);
+            let one = forced(Some(1), rows * out, &product);
+            assert!(one.iter().all(|v| v.is_finite()), "{inp}->{out}: output left unwritten");
+            for mt in [2usize, 4, 8] {
+                let many = forced(Some(mt), rows * out, &product);
+                assert!(same(&one, &many), "{grid:?} {inp}->{out}, {rows} rows: {mt} blocks per cube differ");
+            }
+            let chosen = forced(None, rows * out, &product);
+            assert!(same(&one, &chosen), "{grid:?} {inp}->{out}, {rows} rows: the chosen blocks differ");
+            let xh = host(x.clone());
+            let picked: Vec<f32> = (0..rows)
+                .flat_map(|r| cols.iter().map(move |&o| (r, o)))
+                .map(|(r, o)| one[r * out + o])
+                .collect();
+            let err = rel_err(&picked, &case.reference(&xh, rows, &cols));
+            println!(
+                "fp8 {grid:?} {inp}->{out}, {rows} rows: 1/2/4/8 blocks per cube bit-equal; rel err {err:.2e}"
+            );
+            assert!(err <= 4e-3, "{grid:?} {inp}->{out}, {rows} rows: rel err {err:.3e}");
+            if rows == 16 {
+                // Row 5 alone (one tile, four blocks) against the same row among 16 (two tiles).
+                let alone = host(dspark_kernels::linear_fp8(x.clone().narrow(0, 5, 1), &case.m));
+                assert!(same(&alone, &one[5 * out..6 * out]), "{inp}->{out}: row 5 alone differs");
+            }
+        }
+    }
+}
+
 /// A uniform stream in `[0, 1)` from a seed.
 fn uniforms(seed: u64) -> impl FnMut() -> f64 {
     let mut state = seed;

@@ -35,9 +35,19 @@ fn engine(device_markov: bool) -> Engine {
 /// The draft with `n` sequences whose context is the first held-out prompt's target features,
 /// and the prompt's last token (the anchor of a first proposal).
 fn draft_after_prompt(n: usize) -> (DSparkDraft, Vec<dspark::SeqId>, u32) {
+    draft_after_prompt_as(n, false)
+}
+
+/// [`draft_after_prompt`], with the draft quantised to FP8 (its projections and Markov `W2`)
+/// when `fp8`.
+fn draft_after_prompt_as(n: usize, fp8: bool) -> (DSparkDraft, Vec<dspark::SeqId>, u32) {
     use dspark::{KvCache, LogitRows, PagedKvCache, SeqChunk, Speculator};
     let t = target();
     let mut d = draft(&t);
+    if fp8 {
+        d.quantize(dspark::model::fp8::DraftQuant::Fp8PerChannel).unwrap();
+        assert!(d.has_fp8_markov());
+    }
     let prompt = heldout_prompts(1).remove(0);
     let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
     let seq = cache.allocate();
@@ -96,8 +106,16 @@ fn device_markov_pass_is_lossless_and_agrees_with_the_host_pass() {
 
 #[test]
 fn device_markov_proposals_match_the_host_pass() {
+    // The draft as shipped, then quantised (its W2 too: the host pass must use the same
+    // dequantised W2 as the device pass).
+    for fp8 in [false, true] {
+        proposals_match_the_host_pass(fp8);
+    }
+}
+
+fn proposals_match_the_host_pass(fp8: bool) {
     use dspark::{ProposeLane, Speculator};
-    let (mut d, seqs, anchor) = draft_after_prompt(1);
+    let (mut d, seqs, anchor) = draft_after_prompt_as(1, fp8);
     let dseq = seqs[0];
     let greedy = SamplingParams::greedy(8);
     let sampled = SamplingParams { temperature: 0.8, seed: 3, ..SamplingParams::greedy(8) };
@@ -107,7 +125,7 @@ fn device_markov_proposals_match_the_host_pass() {
         let on = d.propose(&lane).unwrap().remove(0);
         d.set_device_markov(false);
         let off = d.propose(&lane).unwrap().remove(0);
-        assert_eq!(on.tokens, off.tokens, "T = {}", params.temperature);
+        assert_eq!(on.tokens, off.tokens, "fp8 {fp8}, T = {}", params.temperature);
         let (c_on, c_off) = (on.confidence.unwrap(), off.confidence.unwrap());
         let dc = c_on.iter().zip(&c_off).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
         assert!(dc < 1e-5, "confidence differs by {dc}: {c_on:?} vs {c_off:?}");

@@ -155,6 +155,14 @@ fn a_draft_quantised_at_load_is_quantised_per_channel() {
     assert_eq!((qh.clone(), ql.clone()), block_outputs(&mut reference, &t));
     let (_, pl) = block_outputs(&mut plain, &t);
     assert_ne!(ql, pl, "quantisation changed nothing");
+    // The Markov head's W2 too, per channel, exactly as this test quantises it; W1 (a table the
+    // steps gather one row from) stays.
+    let (pm, qm) = (plain.markov().expect("a Markov head"), q.markov().expect("a Markov head"));
+    let (_, _, _, w2) = quantise(&pm.w2, pm.w2.len() / pm.rank, pm.rank, Layout::PerChannel);
+    assert_ne!(pm.w2, w2, "W2 quantisation changed nothing");
+    assert_eq!(qm.w2, w2, "W2 is not the per-channel quantisation of the checkpoint's");
+    assert_eq!(qm.w1, pm.w1);
+    assert!(q.has_fp8_markov() && !plain.has_fp8_markov());
     let diff = max_abs_diff(&ql, &pl);
     let scale = pl.iter().fold(0.0f32, |m, v| m.max(v.abs()));
     eprintln!("quantised vs f32 draft: max |Δ base logit| {diff:.4} (max |logit| {scale:.2})");

@@ -384,7 +384,7 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
                 out as u32,
                 tiles,
                 WARPS,
-                plan.unroll_with(tiles, mt),
+                plan.unroll_with(tiles, mt, inp / 32, WARPS),
                 plan.splits,
                 false,
                 mt,
@@ -461,7 +461,7 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
                 out as u32,
                 tiles,
                 WARPS,
-                plan.unroll_with(tiles, mt),
+                plan.unroll_with(tiles, mt, inp / 32, WARPS),
                 1,
                 true,
                 mt,
@@ -547,7 +547,7 @@ pub(crate) fn gemm_variant(tiles: usize, inp: usize, out: usize, swiglu: bool) -
     let mtiles = plan.mtiles(tiles, out, inp / 32);
     GemmVariant {
         tiles,
-        unroll: plan.unroll_with(tiles, mtiles),
+        unroll: plan.unroll_with(tiles, mtiles, inp / 32, WARPS),
         splits: if swiglu { 1 } else { plan.splits },
         swiglu,
         mtiles,

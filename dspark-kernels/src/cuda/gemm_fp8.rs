@@ -2,11 +2,13 @@
 //! [`Fp8Matrix`], on the bf16 tensor-core path of [`super::gemm`].
 //!
 //! # How one cube works
-//! As in [`super::gemm`]: 16 weight rows per cube, every activation row of the call in tiles of
-//! 8, `WARPS` warps splitting the reduction axis, here in 64-wide chunks (warp `w` takes chunks
-//! `w, w + WARPS, …`). Lane `(g, t)` loads 16 bytes of weight rows `g` and `g + 8` (columns
-//! `16t .. 16t + 16` of the chunk: 16 weights each) and 32 bytes of activation row `g` at the
-//! same columns, and feeds them to four `m16n8k16` steps of four columns each.
+//! As in [`super::gemm`]: blocks of 16 weight rows (one, or several for a short reduction such
+//! as a Markov W2's 256 columns; see [`GemmPlan::mtiles_fp8`](crate::GemmPlan::mtiles_fp8)),
+//! every activation row of the call in tiles of 8, `warps` warps splitting the reduction axis,
+//! here in 64-wide chunks (warp `w` takes chunks `w, w + warps, …`; `warps` is 8, or one per
+//! chunk when a cube's range has fewer). Lane `(g, t)` loads 16 bytes of weight rows `g` and
+//! `g + 8` (columns `16t .. 16t + 16` of the chunk: 16 weights each) and 32 bytes of activation
+//! row `g` at the same columns, and feeds them to four `m16n8k16` steps of four columns each.
 //!
 //! # Decoding in registers
 //! Each 32-bit word holds columns `(k, k+2, k+1, k+3)`. Its even bytes become the bf16 pair of
@@ -35,7 +37,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::gemm::{MAX_ROWS, Product, WARPS, Weights, combine_splits, plan, split_scratch};
+use super::gemm::{MAX_ROWS, Product, Weights, combine_splits, plan, split_scratch};
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
 /// 16 bytes as four 32-bit registers.
@@ -53,11 +55,13 @@ fn odd_pair(w: u32) -> u32 {
     ((w >> 4u32) & 0x07F0_07F0u32) | (w & 0x8000_8000u32)
 }
 
-/// One cube: 16 weight rows × every activation row of the call (`8 · tiles` slots).
+/// One cube: `16 · mtiles` weight rows × every activation row of the call (`8 · tiles` slots).
 ///
 /// `x`: `[rows, in]` bf16 as words (`in / 8` per row); `w`: `[out, in]` bytes as words
 /// (`in / 16` per row); `scales`: per row or per 128×128 block (`scale_cols` blocks per row);
-/// `y`: `[rows, out]`. `in` a multiple of 64, `out` of 16.
+/// `y`: `[rows, out]`. `in` a multiple of 64, `out` of `16 · mtiles`. Each block of 16 weight
+/// rows is summed exactly as in a cube of its own: `mtiles` changes only how often an
+/// activation row is fetched.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn fp8_gemm_kernel(
@@ -76,6 +80,7 @@ fn fp8_gemm_kernel(
     #[comptime] unroll: usize,
     #[comptime] blocked: bool,
     #[comptime] splits: usize,
+    #[comptime] mtiles: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -90,38 +95,42 @@ fn fp8_gemm_kernel(
     // This cube's range of chunks: `[first, first + chunks)`.
     let chunks = x_words / 8 / splits;
     let first = split * chunks;
-    let scale_row = (block * 16) / 128usize * (scale_cols as usize);
+    let scale_cols = scale_cols as usize;
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
 
-    let mut acc = Array::<Vector<f32, Const<4>>>::new(tiles);
+    // Slot m·tiles + j: weight block m of the cube against activation tile j.
+    let mut acc = Array::<Vector<f32, Const<4>>>::new(mtiles * tiles);
     #[unroll]
-    for j in 0..tiles {
+    for j in 0..mtiles * tiles {
         acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
     }
 
-    let w_lo = (block * 16 + g) * w_words + t;
-    let w_hi = w_lo + 8 * w_words;
+    let w_lo = (block * 16 * mtiles + g) * w_words + t;
     let zero = Words::new(0u32);
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows (one word each) and of every activation
-        //    row (two words each).
-        let mut wa = Array::<Words>::new(unroll);
-        let mut wb = Array::<Words>::new(unroll);
+        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each) and of
+        //    every activation row (two words each).
+        let mut wa = Array::<Words>::new(unroll * mtiles);
+        let mut wb = Array::<Words>::new(unroll * mtiles);
         let mut xs = Array::<Words>::new(unroll * tiles * 2);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            if local < chunks {
-                wa[u] = w[w_lo + chunk * 4];
-                wb[u] = w[w_hi + chunk * 4];
-            } else {
-                wa[u] = zero;
-                wb[u] = zero;
+            #[unroll]
+            for m in 0..mtiles {
+                let lo = w_lo + m * 16 * w_words;
+                if local < chunks {
+                    wa[u * mtiles + m] = w[lo + chunk * 4];
+                    wb[u * mtiles + m] = w[lo + 8 * w_words + chunk * 4];
+                } else {
+                    wa[u * mtiles + m] = zero;
+                    wb[u * mtiles + m] = zero;
+                }
             }
             #[unroll]
             for j in 0..tiles {
@@ -139,9 +148,9 @@ fn fp8_gemm_kernel(
         // 2. Four mma steps per chunk, four columns each.
         #[unroll]
         for u in 0..unroll {
-            let mut part = Array::<Vector<f32, Const<4>>>::new(tiles);
+            let mut part = Array::<Vector<f32, Const<4>>>::new(mtiles * tiles);
             #[unroll]
-            for j in 0..tiles {
+            for j in 0..mtiles * tiles {
                 if comptime![blocked] {
                     part[j] = Vector::<f32, Const<4>>::new(0.0f32);
                 } else {
@@ -150,51 +159,60 @@ fn fp8_gemm_kernel(
             }
             #[unroll]
             for s in 0..4usize {
-                let ga = wa[u].extract(s);
-                let gb = wb[u].extract(s);
-                let mut a_words = Words::new(0u32);
-                a_words.insert(0usize, even_pair(ga));
-                a_words.insert(1usize, even_pair(gb));
-                a_words.insert(2usize, odd_pair(ga));
-                a_words.insert(3usize, odd_pair(gb));
-                let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
-                a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words) * lift;
                 #[unroll]
-                for j in 0..tiles {
-                    let xw = xs[(u * tiles + j) * 2 + s / 2];
-                    let mut b_words = Vector::<u32, Const<2>>::new(0u32);
-                    b_words.insert(0usize, xw.extract(2 * (s % 2)));
-                    b_words.insert(1usize, xw.extract(2 * (s % 2) + 1));
-                    let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
-                    b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
-                    let mut c = Array::<Vector<f32, Const<4>>>::new(1usize);
-                    c[0] = part[j];
-                    def.execute_inplace(&a, &b, &mut c);
-                    part[j] = c[0];
+                for m in 0..mtiles {
+                    let ga = wa[u * mtiles + m].extract(s);
+                    let gb = wb[u * mtiles + m].extract(s);
+                    let mut a_words = Words::new(0u32);
+                    a_words.insert(0usize, even_pair(ga));
+                    a_words.insert(1usize, even_pair(gb));
+                    a_words.insert(2usize, odd_pair(ga));
+                    a_words.insert(3usize, odd_pair(gb));
+                    let mut a = Array::<Vector<bf16, Const<8>>>::new(1usize);
+                    a[0] = Vector::<bf16, Const<8>>::reinterpret(a_words) * lift;
+                    #[unroll]
+                    for j in 0..tiles {
+                        let xw = xs[(u * tiles + j) * 2 + s / 2];
+                        let mut b_words = Vector::<u32, Const<2>>::new(0u32);
+                        b_words.insert(0usize, xw.extract(2 * (s % 2)));
+                        b_words.insert(1usize, xw.extract(2 * (s % 2) + 1));
+                        let mut b = Array::<Vector<bf16, Const<4>>>::new(1usize);
+                        b[0] = Vector::<bf16, Const<4>>::reinterpret(b_words);
+                        let mut c = Array::<Vector<f32, Const<4>>>::new(1usize);
+                        c[0] = part[m * tiles + j];
+                        def.execute_inplace(&a, &b, &mut c);
+                        part[m * tiles + j] = c[0];
+                    }
                 }
             }
             #[unroll]
-            for j in 0..tiles {
-                if comptime![blocked] {
-                    let local = (step * unroll + u) * warps + warp;
-                    let chunk = first + local;
-                    if local < chunks {
-                        let s = scales[scale_row + chunk / 2];
-                        acc[j] += part[j] * Vector::<f32, Const<4>>::new(s);
+            for m in 0..mtiles {
+                #[unroll]
+                for j in 0..tiles {
+                    if comptime![blocked] {
+                        let local = (step * unroll + u) * warps + warp;
+                        let chunk = first + local;
+                        if local < chunks {
+                            // The 128-row block of this weight block's rows.
+                            let scale_row = (block * mtiles + m) * 16 / 128usize * scale_cols;
+                            let s = scales[scale_row + chunk / 2];
+                            acc[m * tiles + j] += part[m * tiles + j] * Vector::<f32, Const<4>>::new(s);
+                        }
+                    } else {
+                        acc[m * tiles + j] = part[m * tiles + j];
                     }
-                } else {
-                    acc[j] = part[j];
                 }
             }
         }
     }
 
-    // 3. Partial sums of every warp into shared memory, [warp][tile][x row][weight row].
+    // 3. Partial sums of every warp into shared memory,
+    //    [warp][weight block][tile][x row][weight row].
     let tile_len = 128usize;
-    let mut partial = Shared::<[f32]>::new_slice(warps * tiles * 128);
-    let base = warp * tiles * tile_len;
+    let mut partial = Shared::<[f32]>::new_slice(warps * mtiles * tiles * 128);
+    let base = warp * mtiles * tiles * tile_len;
     #[unroll]
-    for j in 0..tiles {
+    for j in 0..mtiles * tiles {
         let v = acc[j];
         let at = base + j * tile_len;
         partial[at + (2 * t) * 16 + g] = v.extract(0usize);
@@ -207,7 +225,7 @@ fn fp8_gemm_kernel(
     // 4. Sum over warps in warp order, apply a per-row scale, write bf16.
     let threads = warps * 32;
     let id = warp * 32 + lane;
-    let total = tiles * tile_len;
+    let total = mtiles * tiles * tile_len;
     let passes = total.div_ceil(threads);
     #[unroll]
     for p in 0..passes {
@@ -218,10 +236,11 @@ fn fp8_gemm_kernel(
             for v in 0..warps {
                 sum += partial[v * total + e];
             }
-            let j = e / tile_len;
+            let q = e / tile_len;
+            let j = q % tiles;
             let within = e % tile_len;
             let row = j * 8 + within / 16;
-            let col = block * 16 + within % 16;
+            let col = (block * mtiles + q / tiles) * 16 + within % 16;
             if !comptime![blocked] {
                 sum *= scales[col];
             }
@@ -292,6 +311,7 @@ pub(crate) fn launch_product(
     let x_words = inp / 8;
     let scale_cols = if blocked { inp.div_ceil(BLOCK) } else { 1 };
     let plan = plan(Weights::Fp8, inp / 64, out);
+    let warps = plan.warps(inp / 64);
     let parts = split_scratch(&x, plan.splits, rows.min(MAX_ROWS) * out);
     let deferred = defer && parts.is_some() && rows <= MAX_ROWS;
     // A deferred product never writes `y`: a one-element stand-in.
@@ -305,6 +325,7 @@ pub(crate) fn launch_product(
     while start < rows {
         let n = (rows - start).min(MAX_ROWS);
         let tiles = n.div_ceil(8);
+        let mt = plan.mtiles_fp8(tiles, out, inp / 64);
         let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
         let y_handle = y.handle.clone().offset_start((start * out * 2) as u64);
         // Without splits the kernel never touches `parts`: y's own buffer stands in.
@@ -320,8 +341,8 @@ pub(crate) fn launch_product(
         unsafe {
             fp8_gemm_kernel::launch_unchecked(
                 &client,
-                CubeCount::Static((out / 16) as u32, plan.splits as u32, 1),
-                CubeDim::new_2d(32, WARPS as u32),
+                CubeCount::Static((out / 16 / mt) as u32, plan.splits as u32, 1),
+                CubeDim::new_2d(32, warps as u32),
                 BufferArg::from_raw_parts(x_handle, n * x_words),
                 BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
                 BufferArg::from_raw_parts(scales.handle.clone(), n_scales),
@@ -333,10 +354,11 @@ pub(crate) fn launch_product(
                 scale_cols as u32,
                 2f32.powi(120),
                 tiles,
-                WARPS,
-                plan.unroll(tiles),
+                warps,
+                plan.unroll_with(tiles, mt, inp / 64, warps),
                 blocked,
                 plan.splits,
+                mt,
             );
         }
         if let Some(p) = &parts
@@ -380,29 +402,41 @@ impl Fp8GemmOps for CubeBackend {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub(crate) struct Fp8Variant {
     tiles: usize,
+    warps: usize,
     unroll: usize,
     blocked: bool,
     splits: usize,
+    mtiles: usize,
 }
 
 /// The variant [`launch_product`] launches for `8·tiles` rows or fewer (one launch) of an
 /// `[out, in]` e4m3 weight with block (`blocked`) or per-row scales.
 pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool) -> Fp8Variant {
     let plan = plan(Weights::Fp8, inp / 64, out);
-    Fp8Variant { tiles, unroll: plan.unroll(tiles), blocked, splits: plan.splits }
+    let warps = plan.warps(inp / 64);
+    let mtiles = plan.mtiles_fp8(tiles, out, inp / 64);
+    Fp8Variant {
+        tiles,
+        warps,
+        unroll: plan.unroll_with(tiles, mtiles, inp / 64, warps),
+        blocked,
+        splits: plan.splits,
+        mtiles,
+    }
 }
 
 /// `v` expanded and transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_fp8_gemm(v: Fp8Variant) -> Result<super::offline::KernelSource, String> {
     use super::offline::{offline_kernel, transpile};
-    let Fp8Variant { tiles, unroll, blocked, splits } = v;
-    let label =
-        format!("fp8_gemm: tiles={tiles} warps={WARPS} unroll={unroll} blocked={blocked} splits={splits}");
+    let Fp8Variant { tiles, warps, unroll, blocked, splits, mtiles } = v;
+    let label = format!(
+        "fp8_gemm: tiles={tiles} warps={warps} unroll={unroll} blocked={blocked} splits={splits} mtiles={mtiles}"
+    );
     let kernel = offline_kernel!(
         fp8_gemm_kernel::Fp8GemmKernel,
-        CubeDim::new_2d(32, WARPS as u32);
+        CubeDim::new_2d(32, warps as u32);
         b b b b b s s s s s;
-        tiles, WARPS, unroll, blocked, splits
+        tiles, warps, unroll, blocked, splits, mtiles
     );
     transpile(&label, kernel)
 }

@@ -7,7 +7,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use dspark_kernels::rms_norm_rows as rms_norm;
 
 use super::draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
-use super::fp8::{DraftQuant, Fp8Counts, load_projection};
+use super::fp8::{DraftQuant, Fp8Counts, QuantizedRows, load_projection};
 use super::graphs::{Graphs, HostInputs, MAX_GRAPH_ROWS, MAX_SPAN_ROWS, Ran, ShapeKey};
 use super::layer::{
     AttnPlan, BlockLane, ContextRows, DecoderLayer, LayerShape, Proj, Weight, next_norm, stack_input,
@@ -132,6 +132,9 @@ pub struct DSparkDraft {
     layers: Vec<DecoderLayer>,
     norm: Tensor<1>,
     markov: Option<MarkovHead>,
+    /// The e4m3 bytes and per-row scales the Markov head's `w2` was dequantised from, when the
+    /// draft was quantised ([`DSparkDraft::quantize`]); the device pass multiplies by them.
+    markov_w2_fp8: Option<QuantizedRows>,
     confidence: Option<ConfidenceHead>,
     rope: Rope,
     cache: PagedKvCache,
@@ -196,8 +199,9 @@ impl DSparkDraft {
     }
 
     /// As [`DSparkDraft::load`], with the projection weights (each layer's q/k/v/o and
-    /// gate/up/down, and `fc`) quantised at load as `quant` says, then dequantised to the compute
-    /// dtype: the draft computes, and samples from, exactly the quantised model. Projections the
+    /// gate/up/down, and `fc`) and the Markov head's `W2` quantised at load as `quant` says, kept
+    /// as FP8 where the device runs FP8 products and dequantised to the compute dtype elsewhere:
+    /// the draft computes, and samples from, exactly the quantised model. Projections the
     /// checkpoint already stores in FP8 are used as stored. See [`super::fp8`].
     ///
     /// # Errors
@@ -331,7 +335,11 @@ impl DSparkDraft {
             None
         };
         let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 };
-        Self::assemble(config, target, parts, cache)
+        let mut draft = Self::assemble(config, target, parts, cache)?;
+        if quant.is_some() {
+            draft.quantize_markov_w2()?;
+        }
+        Ok(draft)
     }
 
     /// A draft with random weights at `config`'s shape, bound to `target` (on its device, in its
@@ -443,7 +451,11 @@ impl DSparkDraft {
             None
         };
         let parts = Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 };
-        Self::assemble(config, target, parts, cache)
+        let mut draft = Self::assemble(config, target, parts, cache)?;
+        if quant.is_some() {
+            draft.quantize_markov_w2()?;
+        }
+        Ok(draft)
     }
 
     /// Bind loaded or generated weights to the target's embedding and LM head and allocate the
@@ -467,7 +479,7 @@ impl DSparkDraft {
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
         let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 } = parts;
         let device_markov = if dspark_kernels::kernels_available(&device) {
-            DeviceMarkov::new(markov.as_ref(), dtype, &device)
+            DeviceMarkov::new(markov.as_ref(), None, dtype, &device)?
         } else {
             None
         };
@@ -487,6 +499,7 @@ impl DSparkDraft {
             layers,
             norm,
             markov,
+            markov_w2_fp8: None,
             confidence,
             rope,
             cache,
@@ -502,9 +515,42 @@ impl DSparkDraft {
     /// with a gated or rnn head the host pass stays. Returns whether the device pass is now on.
     pub fn set_device_markov(&mut self, on: bool) -> bool {
         self.graphs = Graphs::default();
-        self.device_markov =
-            if on { DeviceMarkov::new(self.markov.as_ref(), self.dtype, &self.device) } else { None };
+        // The head was uploaded once already (at construction or quantisation): the same
+        // shapes upload again.
+        self.device_markov = if on { self.upload_markov().ok().flatten() } else { None };
         self.device_markov.is_some()
+    }
+
+    /// The device copy of the Markov head, from the host copy (and its FP8 bytes, if any).
+    fn upload_markov(&self) -> Result<Option<DeviceMarkov>> {
+        DeviceMarkov::new(self.markov.as_ref(), self.markov_w2_fp8.as_ref(), self.dtype, &self.device)
+    }
+
+    /// Quantise the Markov head's `W2` (`[V, r]`, the product of every Markov step) to e4m3
+    /// with per-row scales, as the projections are: the host pass then uses the dequantised
+    /// values and the device pass the FP8 bytes (on the FP8 kernel where it runs), so both
+    /// compute the same head. Part of [`DSparkDraft::quantize`]; a no-op without a head or when
+    /// done already.
+    fn quantize_markov_w2(&mut self) -> Result<()> {
+        let Some(m) = self.markov.as_mut() else { return Ok(()) };
+        if self.markov_w2_fp8.is_some() || m.rank == 0 {
+            return Ok(());
+        }
+        let rows = m.w2.len() / m.rank;
+        let q = super::fp8::quantize_per_channel(&m.w2, rows, m.rank)
+            .map_err(|e| Error::InvalidInput(format!("markov_head.markov_w2.weight: {e}")))?;
+        m.w2 = super::fp8::dequantize_per_channel(&q.bytes, &q.scales, m.rank);
+        self.markov_w2_fp8 = Some(q);
+        if self.device_markov.is_some() {
+            self.graphs = Graphs::default();
+            self.device_markov = self.upload_markov()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the Markov head's `W2` is quantised to e4m3 (see [`DSparkDraft::quantize`]).
+    pub fn has_fp8_markov(&self) -> bool {
+        self.markov_w2_fp8.is_some()
     }
 
     /// How many of the draft's projections are FP8 (stored or quantised at load), by layout.
@@ -520,10 +566,11 @@ impl DSparkDraft {
         self.layers.iter().map(DecoderLayer::fp8_projections).sum::<usize>() + usize::from(self.fc.is_fp8())
     }
 
-    /// Quantise the draft's projections (each layer's q/k/v/o and gate/up/down, and `fc`) to
-    /// e4m3 as [`DSparkDraft::load_quantized`] does, in place: for a draft built some other way
-    /// (e.g. [`DSparkDraft::random`] for benchmarks). Projections already in FP8 stay as they
-    /// are. Each weight is read back to the host, quantised and replaced before the next.
+    /// Quantise the draft's projections (each layer's q/k/v/o and gate/up/down, and `fc`) and
+    /// its Markov head's `W2` to e4m3 as [`DSparkDraft::load_quantized`] does, in place: for a
+    /// draft built some other way (e.g. [`DSparkDraft::random`] for benchmarks). Projections
+    /// already in FP8 stay as they are. Each weight is read back to the host, quantised and
+    /// replaced before the next.
     ///
     /// # Errors
     /// [`Error::InvalidInput`] when a weight holds a non-finite value.
@@ -537,6 +584,7 @@ impl DSparkDraft {
         for layer in &mut self.layers {
             *layer = layer.quantized()?;
         }
+        self.quantize_markov_w2()?;
         let newly = self.layers.len() * 7 + 1 - self.fp8.total();
         self.fp8.quantized_at_load += newly;
         // The bf16 projections and the quantiser's temporaries are gone: hand their memory back

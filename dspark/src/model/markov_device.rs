@@ -15,11 +15,14 @@
 //! the block's hidden rows, exactly as the host pass does.
 //!
 //! The bias `W2 · W1[prev]` is computed in the draft's dtype (f32 accumulation on the bf16
-//! kernel path) instead of the host pass's f64: the draft's choices may differ on near-ties,
+//! kernel path; for an FP8 draft, whose `W2` is e4m3 with per-row scales, on the FP8 kernel
+//! path, and the host pass then uses the same dequantised `W2`) instead of the host pass's f64: the draft's choices may differ on near-ties,
 //! which changes acceptance, never the output distribution.
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
+use super::fp8::{QuantizedRows, per_channel_weight};
+use super::layer::Weight;
 use super::markov::{MarkovHead, softmax_t};
 use crate::device::ComputeDtype;
 use crate::engine::read_f32;
@@ -30,9 +33,18 @@ use crate::sampling::{SamplingParams, Stream, coin};
 /// Device copies of the Markov and confidence heads.
 #[derive(Debug, Clone)]
 pub(crate) struct DeviceMarkov {
-    /// `markov_w1` `[V, r]` and `markov_w2` `[V, r]` in the draft's dtype; `None` without a head.
-    w: Option<(Tensor<2>, Tensor<2>)>,
+    /// `markov_w1` `[V, r]` in the draft's dtype and `markov_w2` `[V, r]`, dense in the draft's
+    /// dtype or, for an FP8 draft, e4m3 with per-row scales; `None` without a head.
+    w: Option<(Tensor<2>, Weight)>,
     device: Device,
+}
+
+/// `x · W2ᵀ` through this crate's kernels.
+fn w2_product(x: Tensor<2>, w2: &Weight) -> Tensor<2> {
+    match w2 {
+        Weight::Dense(w) => dspark_kernels::linear(x, w),
+        Weight::Fp8(m) => dspark_kernels::linear_fp8(x, m),
+    }
 }
 
 /// What the device pass chose for each lane.
@@ -50,7 +62,17 @@ pub(crate) struct DeviceRound {
 
 impl DeviceMarkov {
     /// Upload the Markov head; `None` for the gated and rnn heads, which stay on the host pass.
-    pub(crate) fn new(markov: Option<&MarkovHead>, dtype: ComputeDtype, device: &Device) -> Option<Self> {
+    /// `w2_fp8`: the e4m3 bytes and per-row scales `markov.w2` was dequantised from (an FP8
+    /// draft), kept as FP8 where the device runs FP8 products.
+    ///
+    /// # Errors
+    /// When the FP8 copy does not upload (a shape that does not match the head).
+    pub(crate) fn new(
+        markov: Option<&MarkovHead>,
+        w2_fp8: Option<&QuantizedRows>,
+        dtype: ComputeDtype,
+        device: &Device,
+    ) -> Result<Option<Self>> {
         let upload = |values: &[f32], dims: [usize; 2], dtype: DType| {
             // Rounded on the host: no f32 copy on the device, which would stay reserved in the
             // persistent pool after a cast there.
@@ -63,11 +85,17 @@ impl DeviceMarkov {
             None => None,
             Some(m) if m.kind == MarkovHeadType::Vanilla => {
                 let v = m.w1.len() / m.rank;
-                Some((upload(&m.w1, [v, m.rank], dtype.dtype()), upload(&m.w2, [v, m.rank], dtype.dtype())))
+                let w2 = match w2_fp8 {
+                    Some(q) => {
+                        per_channel_weight(q, [v, m.rank], dtype, device, "markov_head.markov_w2.weight")?
+                    }
+                    None => Weight::Dense(upload(&m.w2, [v, m.rank], dtype.dtype())),
+                };
+                Some((upload(&m.w1, [v, m.rank], dtype.dtype()), w2))
             }
-            Some(_) => return None,
+            Some(_) => return Ok(None),
         };
-        Some(Self { w, device: device.clone() })
+        Ok(Some(Self { w, device: device.clone() }))
     }
 
     /// The γ steps for every lane: `base` `[lanes·γ, V]` (f32) from the block forward; lane `i`
@@ -131,7 +159,7 @@ impl DeviceMarkov {
         }
         if let Some((w1, w2)) = &self.w {
             let e = w1.clone().select(0, prev.clone());
-            let bias = dspark_kernels::linear(e, w2);
+            let bias = w2_product(e, w2);
             row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
         }
         row
@@ -173,7 +201,7 @@ impl DeviceMarkov {
             // (the same f32 values as `corrected`, never stored).
             let t = match &self.w {
                 Some((w1, w2)) => {
-                    let bias = dspark_kernels::linear(w1.clone().select(0, prev.clone()), w2);
+                    let bias = w2_product(w1.clone().select(0, prev.clone()), w2);
                     dspark_kernels::argmax_sum_rows(base.clone(), k, bias)
                 }
                 None => dspark_kernels::argmax_rows(self.corrected(&prev, &base, k)),
