@@ -47,11 +47,13 @@ impl GemmPlan {
     /// Blocks of 16 weight rows per cube of the bf16 kernel for `tiles` activation tiles of a
     /// weight with `out` rows and a reduction of `chunks` chunks.
     ///
-    /// - 4 where each warp of a cube multiplies a single chunk (a Markov head's W2, rank 256:
-    ///   8 chunks, 151 936 rows) and 4 blocks fit: a cube of one block would do little more than
-    ///   start, sum its warps and write. Measured on the H200 (2026-12-04, `bench-kernels
-    ///   --mtiles`): 24.4 µs against 37.1 for one row, 26.3 against 36.9 for eight; 8 blocks
-    ///   took 35 µs.
+    /// - 2 where each warp of a cube multiplies a single chunk (a Markov head's W2, rank 256:
+    ///   8 chunks, 151 936 rows) and 2 blocks fit. With eight warps of one block each (before
+    ///   [`Self::warps`] and [`Self::unroll_with`] capped them to the reduction), 4 blocks won
+    ///   (H200, 2026-12-04: 24.4 µs against 37.1 for one row). With those caps, `bench-kernels
+    ///   --plans-only --mtiles 1,2,4,8 --only "markov W2"` on the H200 (2026-12-05) gave, for
+    ///   1 / 8 / 16 rows, 21.2 / 23.6 / 34.6 µs with 1 block, 20.9 / 22.5 / 31.8 with 2,
+    ///   21.7 / 23.0 / 33.0 with 4 and 35.4 / 37.8 / 34.1 with 8.
     /// - 2 for 3–4 tiles (17–32 rows) where the weight still gives at least one cube per SM of
     ///   the H200 (132). Every activation row is fetched once per cube from L2; at 24 rows that
     ///   traffic is 1.5 times the weight's own bytes, and two blocks per cube halve it. Measured
@@ -66,8 +68,8 @@ impl GemmPlan {
         if let Some(forced) = *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) {
             return if Self::blocks_fit(forced, tiles, out) { forced } else { 1 };
         }
-        if chunks / self.splits.max(1) <= WARPS && Self::blocks_fit(4, tiles, out) && out / 64 >= 132 {
-            return 4;
+        if chunks / self.splits.max(1) <= WARPS && Self::blocks_fit(2, tiles, out) && out / 32 >= 132 {
+            return 2;
         }
         if (3..=4).contains(&tiles) && out.is_multiple_of(32) && out / 32 * self.splits >= 132 {
             2
@@ -83,17 +85,16 @@ impl GemmPlan {
         matches!(mtiles, 1 | 2 | 4 | 8) && out.is_multiple_of(16 * mtiles) && mtiles * tiles.max(1) <= 8
     }
 
-    /// Blocks of 16 weight rows per cube of the FP8 kernel: as [`Self::mtiles`] for a short
-    /// reduction (a Markov W2 of rank 256 is 4 FP8 chunks of 64: one per warp), else 1 (the wide
-    /// FP8 products were not measured faster with more).
-    pub fn mtiles_fp8(self, tiles: usize, out: usize, chunks: usize) -> usize {
-        if let Some(forced) = *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) {
-            return if Self::blocks_fit(forced, tiles, out) { forced } else { 1 };
-        }
-        if chunks / self.splits.max(1) <= WARPS && Self::blocks_fit(4, tiles, out) && out / 64 >= 132 {
-            4
-        } else {
-            1
+    /// Blocks of 16 weight rows per cube of the FP8 kernel: 1 unless forced ([`force_mtiles`]).
+    /// Its cubes of several blocks are exact (`gpu_kernels fp8_gemm_blocks_per_cube_match_one`)
+    /// but measured slower, even on the short reduction they were made for: a Markov W2 of rank
+    /// 256 (4 FP8 chunks of 64, one per warp) took 14.0 / 15.8 / 21.6 µs for 1 / 8 / 16 rows
+    /// with 1 block per cube, 14.6 / 16.1 / 22.2 with 2 and 17.3 / 19.0 / 27.1 with 4 (H200,
+    /// 2026-12-05, `bench-kernels --plans-only --fp8 --mtiles 1,2,4,8 --only "markov W2"`).
+    pub fn mtiles_fp8(self, tiles: usize, out: usize, _chunks: usize) -> usize {
+        match *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(forced) if Self::blocks_fit(forced, tiles, out) => forced,
+            _ => 1,
         }
     }
 
@@ -261,13 +262,13 @@ mod tests {
         // k/v (1024 rows, cut in 4: 128 cubes of two blocks) and a tiny weight stay at 1.
         assert_eq!(p(4096, 1024).mtiles(3, 1024, 128), 1);
         assert_eq!(p(256, 768).mtiles(3, 768, 8), 1);
-        // A Markov W2 (rank 256: one chunk per warp): 4 blocks up to 2 tiles, then 2, then 1.
+        // A Markov W2 (rank 256: one chunk per warp): 2 blocks up to 4 tiles, then 1.
         let w2 = p(256, 151_936);
-        assert_eq!([1, 2, 3, 4, 5].map(|t| w2.mtiles(t, 151_936, 8)), [4, 4, 2, 2, 1]);
-        // FP8: a W2 (4 chunks of 64: four warps, one chunk each) takes 4 blocks up to 2 tiles;
-        // the wide products stay at 1 block of 8 warps.
+        assert_eq!([1, 2, 3, 4, 5].map(|t| w2.mtiles(t, 151_936, 8)), [2, 2, 2, 2, 1]);
+        // FP8: one block per cube everywhere, a W2 (4 chunks of 64: four warps, one chunk
+        // each) too; the wide products keep 8 warps.
         let w2 = chosen(Weights::Fp8, 4, 151_936);
-        assert_eq!([1, 2, 3].map(|t| w2.mtiles_fp8(t, 151_936, 4)), [4, 4, 1]);
+        assert_eq!([1, 2, 3].map(|t| w2.mtiles_fp8(t, 151_936, 4)), [1, 1, 1]);
         assert_eq!(w2.warps(4), 4);
         let down = chosen(Weights::Fp8, 12288 / 64, 4096);
         assert_eq!((down.mtiles_fp8(1, 4096, 192), down.warps(192)), (1, 8));
