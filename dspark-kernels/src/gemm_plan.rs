@@ -48,9 +48,9 @@ impl GemmPlan {
     /// weight with `out` rows and a reduction of `chunks` chunks.
     ///
     /// - 2 where each warp of a cube multiplies a single chunk (a Markov head's W2, rank 256:
-    ///   8 chunks, 151 936 rows) and 2 blocks fit. With eight warps of one block each (before
-    ///   [`Self::warps`] and [`Self::unroll_with`] capped them to the reduction), 4 blocks won
-    ///   (H200, 2026-12-04: 24.4 µs against 37.1 for one row). With those caps, `bench-kernels
+    ///   8 chunks, 151 936 rows) and 2 blocks fit. While each warp still unrolled over chunk slots
+    ///   it did not have (before [`Self::unroll_with`] capped the unroll at a warp's chunks),
+    ///   4 blocks won (H200, 2026-12-04: 24.4 µs against 37.1 for one row). With those caps, `bench-kernels
     ///   --plans-only --mtiles 1,2,4,8 --only "markov W2"` on the H200 (2026-12-05) gave, for
     ///   1 / 8 / 16 rows, 21.2 / 23.6 / 34.6 µs with 1 block, 20.9 / 22.5 / 31.8 with 2,
     ///   21.7 / 23.0 / 33.0 with 4 and 35.4 / 37.8 / 34.1 with 8.

@@ -1287,8 +1287,8 @@ fn skinny_gemm_two_blocks_per_cube_match_one() {
             assert!(err < 4e-3, "rel err {err}");
         }
     }
-    // Four blocks per cube, the choice for a Markov head's W2 (rank 256: one chunk per warp),
-    // against one: the same bits, up to two tiles (16 rows).
+    // A Markov head's W2 (rank 256: one chunk per warp) with four blocks per cube forced, and
+    // with the chosen count (two), against one: the same bits, up to two tiles (16 rows).
     let (inp, out) = (256usize, 151_936usize);
     let w = random(out, inp, 0.02, &device);
     for rows in [1usize, 8, 16] {
