@@ -104,17 +104,7 @@ fn skinny_gemm_kernel(
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            #[unroll]
-            for m in 0..mtiles {
-                let lo = w_lo + m * 16 * in_words;
-                if local < chunks {
-                    wa[u * mtiles + m] = w[lo + chunk * 4];
-                    wb[u * mtiles + m] = w[lo + 8 * in_words + chunk * 4];
-                } else {
-                    wa[u * mtiles + m] = zero;
-                    wb[u * mtiles + m] = zero;
-                }
-            }
+            load_weight_blocks(w, &mut wa, &mut wb, w_lo, in_words, chunk, local < chunks, zero, u, mtiles);
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
@@ -244,6 +234,37 @@ fn skinny_gemm_kernel(
 
 /// `y[i] = bf16(parts[0][i] + parts[1][i] + …)`, adding the splits in order; `parts` is
 /// `[splits, len]` f32.
+/// Slot `u` of a step's weight loads, for the bf16 and FP8 skinny GEMMs: both 8-row halves of
+/// each of the cube's `mtiles` 16-row weight blocks at `chunk` (one word per lane each; the
+/// lane's first word is `w_lo`, a weight row is `w_words` words), or `zero` past the cube's
+/// chunks (`valid` false).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_weight_blocks(
+    w: &[Words],
+    wa: &mut Array<Words>,
+    wb: &mut Array<Words>,
+    w_lo: usize,
+    w_words: usize,
+    chunk: usize,
+    valid: bool,
+    zero: Words,
+    #[comptime] u: usize,
+    #[comptime] mtiles: usize,
+) {
+    #[unroll]
+    for m in 0..mtiles {
+        let lo = w_lo + m * 16 * w_words;
+        if valid {
+            wa[u * mtiles + m] = w[lo + chunk * 4];
+            wb[u * mtiles + m] = w[lo + 8 * w_words + chunk * 4];
+        } else {
+            wa[u * mtiles + m] = zero;
+            wb[u * mtiles + m] = zero;
+        }
+    }
+}
+
 #[cube(launch_unchecked)]
 pub(crate) fn combine_splits_kernel(parts: &[f32], y: &mut [bf16], len: u32, #[comptime] splits: usize) {
     let i = ABSOLUTE_POS;

@@ -37,7 +37,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::gemm::{MAX_ROWS, Product, Weights, combine_splits, plan, split_scratch};
+use super::gemm::{MAX_ROWS, Product, Weights, combine_splits, load_weight_blocks, plan, split_scratch};
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
 /// 16 bytes as four 32-bit registers.
@@ -121,17 +121,7 @@ fn fp8_gemm_kernel(
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            #[unroll]
-            for m in 0..mtiles {
-                let lo = w_lo + m * 16 * w_words;
-                if local < chunks {
-                    wa[u * mtiles + m] = w[lo + chunk * 4];
-                    wb[u * mtiles + m] = w[lo + 8 * w_words + chunk * 4];
-                } else {
-                    wa[u * mtiles + m] = zero;
-                    wb[u * mtiles + m] = zero;
-                }
-            }
+            load_weight_blocks(w, &mut wa, &mut wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
