@@ -842,12 +842,39 @@ impl DSparkDraft {
     /// `None` where it does not apply (no device pass, no graphs, no room for the scratch
     /// rows): the round then runs op by op. Its proposals equal the op-by-op round's bit for bit.
     fn propose_recorded(&mut self, lanes: &[ProposeLane<'_>]) -> Option<Result<Vec<Proposal>>> {
+        let launched = match self.launch_recorded(lanes, false)? {
+            Ok(launched) => launched,
+            Err(e) => return Some(Err(e)),
+        };
+        let readback = tracing::debug_span!("propose_readback").entered();
+        let out = match read_f32(launched.out.clone()) {
+            Ok(out) => out,
+            Err(e) => return Some(Err(e)),
+        };
+        let rows = match &launched.rows {
+            Some(rows) if !launched.keep => match read_f32(rows.clone()) {
+                Ok(rows) => rows,
+                Err(e) => return Some(Err(e)),
+            },
+            _ => Vec::new(),
+        };
+        drop(readback);
+        Some(Ok(self.finish_recorded(lanes, &launched, &out, &rows)))
+    }
+
+    /// The queued half of [`Self::propose_recorded`]: inputs written, the round's graph
+    /// replayed, nothing read back. `defer` asks for a round whose results need no host rows
+    /// (greedy, or sampled with the rows kept on the device); `None` where the recorded round
+    /// does not apply (or, with `defer`, would need host rows).
+    fn launch_recorded(&mut self, lanes: &[ProposeLane<'_>], defer: bool) -> Option<Result<Launched>> {
         let prepare = tracing::debug_span!("propose_prepare").entered();
         let gamma = self.config.block_size;
         let (h, n) = (self.config.base.hidden_size, lanes.len() * gamma);
         let table_rows = self.config.base.max_position_embeddings;
         let sampling = !lanes.iter().all(|l| l.params.is_greedy());
+        let keep = sampling && self.q_on_device;
         if n > MAX_GRAPH_ROWS
+            || (defer && sampling && !keep)
             || self.device_markov.is_none()
             || !super::graphs::recording(&self.device)
             || !self.paged()
@@ -945,57 +972,58 @@ impl DSparkDraft {
             Ok(std::iter::once(first).chain(rows).collect())
         });
         self.give_back_scratch(lanes, &contexts);
-        let readback = tracing::debug_span!("propose_readback").entered();
-        let keep = sampling && self.q_on_device;
-        let (out, rows, kept) = match ran {
-            Ran::Replayed(outs) => {
-                let mut outs = outs.into_iter();
-                let out = match outs.next().map(read_f32) {
-                    Some(Ok(out)) => out,
-                    Some(Err(e)) => return Some(Err(e)),
-                    None => return Some(Err(Error::Backend("a recorded round returned nothing".into()))),
-                };
-                match (sampling, outs.next()) {
-                    (false, _) => (out, Vec::new(), None),
-                    // The engine verifies against the rows where they are.
-                    (true, Some(rows)) if keep => (out, Vec::new(), Some(rows)),
-                    (true, Some(rows)) => match read_f32(rows) {
-                        Ok(rows) => (out, rows, None),
-                        Err(e) => return Some(Err(e)),
-                    },
-                    (true, None) => {
-                        return Some(Err(Error::Backend("a recorded round returned no draft rows".into())));
-                    }
-                }
-            }
+        let mut outs = match ran {
+            Ran::Replayed(outs) => outs.into_iter(),
             Ran::NotRecorded => return None,
             Ran::Failed(e) => return Some(Err(e)),
         };
-        drop(readback);
+        let Some(out) = outs.next() else {
+            return Some(Err(Error::Backend("a recorded round returned nothing".into())));
+        };
+        let rows = outs.next();
+        if sampling && rows.is_none() {
+            return Some(Err(Error::Backend("a recorded round returned no draft rows".into())));
+        }
+        Some(Ok(Launched { out, rows, sampling, keep, n }))
+    }
+
+    /// The proposals of a launched round from its host values: `out` the first output (tokens,
+    /// then the hidden rows when a confidence head reads them), `rows` the corrected rows when
+    /// sampling lanes make their `q` on the host (empty otherwise).
+    fn finish_recorded(
+        &self,
+        lanes: &[ProposeLane<'_>],
+        launched: &Launched,
+        out: &[f32],
+        rows: &[f32],
+    ) -> Vec<Proposal> {
         let _finish = tracing::debug_span!("propose_finish").entered();
-        let (tokens, hidden) = out.split_at(n);
+        let (gamma, h, vocab) =
+            (self.config.block_size, self.config.base.hidden_size, self.config.base.vocab_size);
+        let (n, sampling, keep) = (launched.n, launched.sampling, launched.keep);
+        let kept = launched.rows.as_ref().filter(|_| keep);
+        let (tokens, hidden) = out.split_at(n.min(out.len()));
         let mut q = if sampling && !keep {
             let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
-            super::markov_device::q_rows(&rows, vocab, &params, gamma)
+            super::markov_device::q_rows(rows, vocab, &params, gamma)
         } else {
             Vec::new()
         }
         .into_iter();
-        let proposals = lanes
+        lanes
             .iter()
             .enumerate()
             .map(|(i, lane)| {
                 let tokens: Vec<u32> = tokens[i * gamma..(i + 1) * gamma].iter().map(|&t| t as u32).collect();
-                let confidence = self.confidences(lane.anchor, &tokens, &hidden[i * gamma * h..]);
+                let confidence =
+                    self.confidences(lane.anchor, &tokens, &hidden[(i * gamma * h).min(hidden.len())..]);
                 let q = q.next().filter(|_| !lane.params.is_greedy());
                 let q_rows = kept
-                    .as_ref()
                     .filter(|_| !lane.params.is_greedy())
                     .map(|rows| DeviceQ { rows: rows.clone(), first: i * gamma });
                 Proposal { tokens, q, confidence, q_rows }
             })
-            .collect();
-        Some(Ok(proposals))
+            .collect()
     }
 
     /// A context extension as one replay of the graph recorded for its row count (recorded now
@@ -1142,6 +1170,20 @@ pub struct MarkovPass {
     pub q: Vec<Vec<f64>>,
     /// Confidence logits per step (empty without a confidence head).
     pub confidence_logits: Vec<f64>,
+}
+
+/// A recorded round queued on the device (see `DSparkDraft::launch_recorded`).
+struct Launched {
+    /// f32 `[1, n (+ n · hidden)]`: the tokens, then the block's hidden rows for the confidence
+    /// head.
+    out: Tensor<2>,
+    /// The corrected rows `[n, V]` the tokens were drawn from (sampling rounds).
+    rows: Option<Tensor<2>>,
+    sampling: bool,
+    /// The rows stay on the device as the proposals' `q_rows`.
+    keep: bool,
+    /// Draft rows: lanes · γ.
+    n: usize,
 }
 
 /// Check the draft against its target; resolve the feature layers.
