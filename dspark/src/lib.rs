@@ -36,8 +36,8 @@ pub use engine::{
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvLayout, PagedKvCache, PoolState, SeqId};
 pub use model::{
-    DSparkConfig, DSparkDraft, DraftCacheConfig, ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk,
-    TargetBinding,
+    DSparkConfig, DSparkDraft, DeviceTokens, DraftCacheConfig, ForwardOutput, LoadOptions, LogitRows, Qwen3,
+    SeqChunk, TargetBinding,
 };
 pub use sampling::SamplingParams;
 
@@ -55,4 +55,4 @@ pub fn set_graphs_enabled(enabled: bool) {
 pub fn graphs_enabled() -> bool {
     dspark_kernels::graph::graphs_enabled()
 }
-pub use speculator::{DeviceQ, Proposal, ProposeLane, Speculator};
+pub use speculator::{DeferredProposals, DeviceQ, Proposal, ProposeLane, Speculator};

@@ -41,6 +41,28 @@ pub struct DeviceQ {
     pub first: usize,
 }
 
+/// A round's proposals still on the device (see [`Speculator::propose_deferred`]): the engine
+/// hands [`DeferredProposals::tokens`] to the verify forward on the device and reads
+/// [`DeferredProposals::readback`] back together with the verify's result, so a round waits
+/// on the device once.
+pub struct DeferredProposals {
+    /// f32 `[lanes · γ, 1]`: lane `i`'s draft `k` at row `i · γ + k` (exact integers).
+    pub tokens: Tensor<2>,
+    /// f32 `[1, len]`: what [`Speculator::finish_deferred`] needs back on the host.
+    pub readback: Tensor<2>,
+    /// The draft's own bookkeeping between the two calls.
+    pub state: Box<dyn std::any::Any>,
+}
+
+impl std::fmt::Debug for DeferredProposals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeferredProposals")
+            .field("tokens", &self.tokens.dims())
+            .field("readback", &self.readback.dims())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A draft model that proposes blocks of tokens from the target's hidden features.
 pub trait Speculator {
     /// γ, the tokens proposed per round.
@@ -96,6 +118,33 @@ pub trait Speculator {
     /// # Errors
     /// [`crate::Error::UnknownSequence`] or backend failures.
     fn propose(&mut self, lanes: &[ProposeLane<'_>]) -> Result<Vec<Proposal>>;
+
+    /// [`Speculator::propose`] without waiting for the device: the round is queued, and its
+    /// tokens stay on the device for a verify forward queued behind it. `Ok(None)` where the
+    /// draft cannot (the default; the engine then calls [`Speculator::propose`]). Sampling
+    /// lanes' distributions stay on the device ([`Proposal::q_rows`]) when deferred.
+    ///
+    /// # Errors
+    /// As [`Speculator::propose`].
+    fn propose_deferred(&mut self, lanes: &[ProposeLane<'_>]) -> Result<Option<DeferredProposals>> {
+        let _ = lanes;
+        Ok(None)
+    }
+
+    /// The proposals of a [`Speculator::propose_deferred`] round for the same `lanes`, from
+    /// `values`, the host copy of its [`DeferredProposals::readback`].
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidInput`] when `deferred` is not this draft's or `values` is short.
+    fn finish_deferred(
+        &mut self,
+        lanes: &[ProposeLane<'_>],
+        deferred: DeferredProposals,
+        values: &[f32],
+    ) -> Result<Vec<Proposal>> {
+        let _ = (lanes, deferred, values);
+        Err(crate::Error::InvalidInput("this draft does not defer its proposals".into()))
+    }
 
     /// Occupancy of the draft's context cache, for admission control and preemption; `None`
     /// when the draft's context is not bounded by a page pool.

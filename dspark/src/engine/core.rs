@@ -30,6 +30,13 @@ pub struct EngineConfig {
     pub max_prefill_tokens: usize,
     /// Measured target verify and draft round times, for [`VerifyPolicy::Throughput`].
     pub cost_table: Option<std::sync::Arc<super::schedule::CostTable>>,
+    /// Rounds wait on the device once where they can (on by default): when every lane is
+    /// greedy, the verify width is fixed ([`VerifyPolicy::Full`] or [`VerifyPolicy::Fixed`]) and
+    /// the draft queues its round ([`crate::Speculator::propose_deferred`], a recorded DSpark
+    /// round), the verify forward is queued behind the draft round and reads its tokens on the
+    /// device; drafts and verdicts then come back in one read. The output is the same either
+    /// way; off, the engine reads the drafts before it verifies them.
+    pub one_sync_rounds: bool,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +48,7 @@ impl Default for EngineConfig {
             max_lanes: 256,
             max_prefill_tokens: 8192,
             cost_table: None,
+            one_sync_rounds: true,
         }
     }
 }
@@ -190,6 +198,10 @@ pub struct BatchStats {
     /// Of the decode time, speculative rounds only: acceptance, commits and the draft's context
     /// update (the rest of a round).
     pub commit_time: Duration,
+    /// Speculative rounds that waited on the device once (see [`EngineConfig::one_sync_rounds`]):
+    /// their draft time is the time to queue the draft round, and the draft's device time
+    /// counts in `verify_time`.
+    pub one_sync_rounds: usize,
     /// Requests preempted under KV pressure (their KV freed, later resumed by recomputing it).
     pub preemptions: usize,
     /// Prompt and resumed rows recomputed by prefills.
@@ -230,6 +242,7 @@ pub struct Engine {
     pub(super) cache: PagedKvCache,
     pub(super) draft: Option<Box<dyn Speculator + Send>>,
     pub(super) verify: VerifyPolicy,
+    pub(super) one_sync_rounds: bool,
     pub(super) cost_table: Option<std::sync::Arc<super::schedule::CostTable>>,
     /// Mean confidence per draft position over the last speculative round's lanes: the prior
     /// of a lane's first round under [`VerifyPolicy::Throughput`].
@@ -304,6 +317,7 @@ impl Engine {
             cache,
             draft: None,
             verify: config.verify,
+            one_sync_rounds: config.one_sync_rounds,
             cost_table: config.cost_table.clone(),
             prior_confidence: None,
             max_lanes: config.max_lanes,

@@ -7,14 +7,14 @@
 
 use std::time::Instant;
 
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use super::core::{Engine, RoundRecord, StepOutput, VerifyPolicy, read_f32, read_ids};
 use super::schedule;
 use crate::accept::{Verdict, chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
-use crate::model::{LogitRows, SeqChunk};
+use crate::model::{DeviceTokens, LogitRows, SeqChunk};
 use crate::sampling::{SamplingParams, Stream, argmax, coin, target_probs, target_probs_rows};
 use crate::speculator::{DeviceQ, Proposal, ProposeLane};
 
@@ -135,69 +135,152 @@ impl Engine {
             })
             .collect();
         let round_started = Instant::now();
-        let proposals = draft.propose(&lanes)?;
-        self.stats.draft_passes += 1;
-        let drafted_at = Instant::now();
-        self.stats.draft_time += drafted_at - round_started;
-        let counts: Vec<usize> = if self.verify == VerifyPolicy::Throughput {
-            self.throughput_counts(&proposals, gamma)?
-        } else {
-            proposals.iter().map(|p| verify_count(self.verify, p, gamma)).collect()
+        // A round that waits on the device once: the draft round is queued, the verify window
+        // queued behind it reads the drafts on the device, and drafts and the target's argmax
+        // come back in one read.
+        let all_greedy = self.running.iter().all(|l| l.request.params.is_greedy());
+        let fixed_width = match self.verify {
+            VerifyPolicy::Full => Some(gamma),
+            VerifyPolicy::Fixed(w) => Some((w - 1).min(gamma)),
+            _ => None,
         };
-        // Each lane's confidences become its "earlier round" for the next budget.
-        for (l, p) in self.running.iter_mut().zip(&proposals) {
-            l.last_confidence.clone_from(&p.confidence);
-        }
-        self.prior_confidence = mean_confidence(&proposals, gamma);
-        let windows: Vec<Vec<u32>> = self
-            .running
-            .iter()
-            .zip(&proposals)
-            .zip(&counts)
-            .map(|((l, p), &m)| std::iter::once(l.next).chain(p.tokens[..m].iter().copied()).collect())
-            .collect();
-        let positions: Vec<usize> =
-            self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
-        let chunks: Vec<SeqChunk<'_>> = self
-            .running
-            .iter()
-            .zip(&windows)
-            .map(|(l, w)| SeqChunk { seq: l.seq, tokens: w, logits: LogitRows::All })
-            .collect();
-        let output = self.target.forward(&chunks, &layers, &mut self.cache)?;
-        self.stats.forward_passes += 1;
-        let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
-        // Where the kernels run, only ids leave the device: the target's argmax for greedy lanes,
-        // and for sampled lanes whose proposal rows are on the device, their verdicts.
-        let on_kernels = dspark_kernels::kernels_available(&logits_t.device());
-        let params: Vec<&SamplingParams> = self.running.iter().map(|l| &l.request.params).collect();
-        let any_greedy = params.iter().any(|p| p.is_greedy());
-        let any_sampled = params.iter().any(|p| !p.is_greedy());
-        let sampled_on_device = on_kernels
-            && params.iter().zip(&proposals).any(|(p, x)| !p.is_greedy() && x.q_rows.is_some())
-            && params.iter().zip(&proposals).all(|(p, x)| p.is_greedy() || x.q_rows.is_some());
-        let host_logits = !on_kernels || (any_sampled && !sampled_on_device);
-        let (logits, argmax_ids, device_verdicts) = if host_logits {
-            (read_f32(logits_t)?, Vec::new(), Vec::new())
-        } else {
-            let ids = if any_greedy {
-                read_ids(dspark_kernels::argmax_rows(logits_t.clone()))?
-            } else {
-                Vec::new()
-            };
-            let verdicts = if sampled_on_device {
-                let rows: Vec<usize> = output.logit_rows.iter().map(|r| r.start).collect();
-                accept_on_device(&logits_t, &params, &proposals, &windows, &rows, &positions, gamma)?
-            } else {
-                Vec::new()
-            };
-            (Vec::new(), ids, verdicts)
+        let deferred = match fixed_width {
+            Some(_) if self.one_sync_rounds && all_greedy => draft.propose_deferred(&lanes)?,
+            _ => None,
         };
-        drop(params);
+        let (proposals, counts, windows, positions, output, logits, argmax_ids, device_verdicts, host_logits) =
+            if let Some(deferred) = deferred {
+                let m = fixed_width.unwrap_or(gamma);
+                self.stats.draft_passes += 1;
+                self.stats.one_sync_rounds += 1;
+                let drafted_at = Instant::now();
+                self.stats.draft_time += drafted_at - round_started;
+                // Each window: the anchor, then m drafts that the device fills in.
+                let mut slots = Vec::with_capacity(lanes.len() * m);
+                for i in 0..lanes.len() {
+                    let first = i * (m + 1);
+                    slots.extend((0..m).map(|k| (first + 1 + k, i * gamma + k)));
+                }
+                let placeholders: Vec<Vec<u32>> = self
+                    .running
+                    .iter()
+                    .map(|l| std::iter::once(l.next).chain(std::iter::repeat_n(0, m)).collect())
+                    .collect();
+                let positions: Vec<usize> =
+                    self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
+                let chunks: Vec<SeqChunk<'_>> = self
+                    .running
+                    .iter()
+                    .zip(&placeholders)
+                    .map(|(l, w)| SeqChunk { seq: l.seq, tokens: w, logits: LogitRows::All })
+                    .collect();
+                let tokens = DeviceTokens { values: &deferred.tokens, rows: &slots };
+                let output = self.target.forward_device_tokens(&chunks, tokens, &layers, &mut self.cache)?;
+                self.stats.forward_passes += 1;
+                let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
+                let ids = dspark_kernels::argmax_rows(logits_t);
+                let rows = ids.dims()[0];
+                let [_, len] = deferred.readback.dims();
+                let both = Tensor::cat(
+                    vec![deferred.readback.clone(), ids.float().cast(DType::F32).reshape([1, rows])],
+                    1,
+                );
+                let values = read_f32(both)?;
+                if values.len() != len + rows {
+                    return Err(Error::Backend("a one-sync round read back the wrong length".into()));
+                }
+                let proposals = draft.finish_deferred(&lanes, deferred, &values[..len])?;
+                let argmax_ids: Vec<u32> = values[len..].iter().map(|&v| v as u32).collect();
+                let windows: Vec<Vec<u32>> = self
+                    .running
+                    .iter()
+                    .zip(&proposals)
+                    .map(|(l, p)| std::iter::once(l.next).chain(p.tokens[..m].iter().copied()).collect())
+                    .collect();
+                let counts = vec![m; lanes.len()];
+                for (l, p) in self.running.iter_mut().zip(&proposals) {
+                    l.last_confidence.clone_from(&p.confidence);
+                }
+                self.prior_confidence = mean_confidence(&proposals, gamma);
+                self.stats.verify_time += drafted_at.elapsed();
+                (proposals, counts, windows, positions, output, Vec::new(), argmax_ids, Vec::new(), false)
+            } else {
+                let proposals = draft.propose(&lanes)?;
+                self.stats.draft_passes += 1;
+                let drafted_at = Instant::now();
+                self.stats.draft_time += drafted_at - round_started;
+                let counts: Vec<usize> = if self.verify == VerifyPolicy::Throughput {
+                    self.throughput_counts(&proposals, gamma)?
+                } else {
+                    proposals.iter().map(|p| verify_count(self.verify, p, gamma)).collect()
+                };
+                // Each lane's confidences become its "earlier round" for the next budget.
+                for (l, p) in self.running.iter_mut().zip(&proposals) {
+                    l.last_confidence.clone_from(&p.confidence);
+                }
+                self.prior_confidence = mean_confidence(&proposals, gamma);
+                let windows: Vec<Vec<u32>> = self
+                    .running
+                    .iter()
+                    .zip(&proposals)
+                    .zip(&counts)
+                    .map(|((l, p), &m)| {
+                        std::iter::once(l.next).chain(p.tokens[..m].iter().copied()).collect()
+                    })
+                    .collect();
+                let positions: Vec<usize> =
+                    self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
+                let chunks: Vec<SeqChunk<'_>> = self
+                    .running
+                    .iter()
+                    .zip(&windows)
+                    .map(|(l, w)| SeqChunk { seq: l.seq, tokens: w, logits: LogitRows::All })
+                    .collect();
+                let output = self.target.forward(&chunks, &layers, &mut self.cache)?;
+                self.stats.forward_passes += 1;
+                let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
+                // Where the kernels run, only ids leave the device: the target's argmax for greedy lanes,
+                // and for sampled lanes whose proposal rows are on the device, their verdicts.
+                let on_kernels = dspark_kernels::kernels_available(&logits_t.device());
+                let params: Vec<&SamplingParams> = self.running.iter().map(|l| &l.request.params).collect();
+                let any_greedy = params.iter().any(|p| p.is_greedy());
+                let any_sampled = params.iter().any(|p| !p.is_greedy());
+                let sampled_on_device = on_kernels
+                    && params.iter().zip(&proposals).any(|(p, x)| !p.is_greedy() && x.q_rows.is_some())
+                    && params.iter().zip(&proposals).all(|(p, x)| p.is_greedy() || x.q_rows.is_some());
+                let host_logits = !on_kernels || (any_sampled && !sampled_on_device);
+                let (logits, argmax_ids, device_verdicts) = if host_logits {
+                    (read_f32(logits_t)?, Vec::new(), Vec::new())
+                } else {
+                    let ids = if any_greedy {
+                        read_ids(dspark_kernels::argmax_rows(logits_t.clone()))?
+                    } else {
+                        Vec::new()
+                    };
+                    let verdicts = if sampled_on_device {
+                        let rows: Vec<usize> = output.logit_rows.iter().map(|r| r.start).collect();
+                        accept_on_device(&logits_t, &params, &proposals, &windows, &rows, &positions, gamma)?
+                    } else {
+                        Vec::new()
+                    };
+                    (Vec::new(), ids, verdicts)
+                };
+                self.stats.verify_time += drafted_at.elapsed();
+                (
+                    proposals,
+                    counts,
+                    windows,
+                    positions,
+                    output,
+                    logits,
+                    argmax_ids,
+                    device_verdicts,
+                    host_logits,
+                )
+            };
+        let verified_at = Instant::now();
         let features =
             output.features.clone().ok_or_else(|| Error::Backend("no features captured".into()))?;
-        let verified_at = Instant::now();
-        self.stats.verify_time += verified_at - drafted_at;
         let vocab = self.target.vocab_size();
         let ids: Vec<_> = self.running.iter().map(|l| l.id).collect();
         let mut extend = Vec::with_capacity(ids.len());

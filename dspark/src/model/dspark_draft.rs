@@ -21,7 +21,7 @@ use crate::engine::read_f32;
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, PagedKvCache, SeqId};
 use crate::sampling::{SamplingParams, Stream, coin, sample_weights};
-use crate::speculator::{DeviceQ, Proposal, ProposeLane, Speculator};
+use crate::speculator::{DeferredProposals, DeviceQ, Proposal, ProposeLane, Speculator};
 use crate::weights::Checkpoint;
 
 /// Draft KV settings.
@@ -1359,6 +1359,41 @@ impl Speculator for DSparkDraft {
             });
         }
         Ok(out)
+    }
+
+    fn propose_deferred(&mut self, lanes: &[ProposeLane<'_>]) -> Result<Option<DeferredProposals>> {
+        if lanes.is_empty() {
+            return Ok(None);
+        }
+        let _span = tracing::debug_span!("propose").entered();
+        let Some(launched) = self.launch_recorded(lanes, true).transpose()? else {
+            return Ok(None);
+        };
+        let tokens = launched.out.clone().narrow(1, 0, launched.n).reshape([launched.n, 1]);
+        let readback = launched.out.clone();
+        Ok(Some(DeferredProposals { tokens, readback, state: Box::new(launched) }))
+    }
+
+    fn finish_deferred(
+        &mut self,
+        lanes: &[ProposeLane<'_>],
+        deferred: DeferredProposals,
+        values: &[f32],
+    ) -> Result<Vec<Proposal>> {
+        let launched = deferred
+            .state
+            .downcast::<Launched>()
+            .map_err(|_| Error::InvalidInput("deferred proposals of another draft".into()))?;
+        let gamma = self.config.block_size;
+        if launched.n != lanes.len() * gamma || values.len() < launched.out.dims()[1] {
+            return Err(Error::InvalidInput(format!(
+                "deferred proposals of {} rows finished for {} lanes with {} values",
+                launched.n,
+                lanes.len(),
+                values.len()
+            )));
+        }
+        Ok(self.finish_recorded(lanes, &launched, values, &[]))
     }
 
     fn context_pool(&self) -> Option<crate::kv_cache::PoolState> {

@@ -16,5 +16,5 @@ pub use dspark_draft::{DSparkDraft, DraftCacheConfig, MarkovPass, TargetBinding}
 pub use markov::{ConfidenceHead, MarkovHead};
 
 pub use layer::DecoderLayer;
-pub use qwen3::{ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk};
+pub use qwen3::{DeviceTokens, ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk};
 pub use rope::Rope;

@@ -62,6 +62,17 @@ impl LogitRows {
     }
 }
 
+/// Token ids of a forward that are still on the device (the drafts of a deferred round, see
+/// [`crate::Speculator::propose_deferred`]): row `rows[j].0` of the forward (counted over its
+/// chunks in order) takes `values[rows[j].1]`, whatever its chunk holds there.
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceTokens<'a> {
+    /// f32 `[k, 1]`, exact integer ids.
+    pub values: &'a Tensor<2>,
+    /// `(forward row, index into values)` pairs.
+    pub rows: &'a [(usize, usize)],
+}
+
 /// New tokens of one sequence in a batched forward. They sit after the sequence's cached rows.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqChunk<'a> {
@@ -296,6 +307,34 @@ impl Qwen3 {
         capture: &[usize],
         cache: &mut dyn KvCache,
     ) -> Result<ForwardOutput> {
+        self.forward_with(chunks, capture, cache, None)
+    }
+
+    /// [`Qwen3::forward`] where some token ids are taken from the device (`device`): a verify
+    /// window queued behind the draft round that proposed it, with no read in between. The
+    /// chunks' tokens at those rows are ignored. The result is the forward of the tokens the
+    /// device holds, bit for bit.
+    ///
+    /// # Errors
+    /// As [`Qwen3::forward`]; [`Error::InvalidInput`] when `device` names a row or an index out
+    /// of range, or `values` is not `[k, 1]`.
+    pub fn forward_device_tokens(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        device: DeviceTokens<'_>,
+        capture: &[usize],
+        cache: &mut dyn KvCache,
+    ) -> Result<ForwardOutput> {
+        self.forward_with(chunks, capture, cache, Some(device))
+    }
+
+    fn forward_with(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        capture: &[usize],
+        cache: &mut dyn KvCache,
+        device: Option<DeviceTokens<'_>>,
+    ) -> Result<ForwardOutput> {
         if chunks.is_empty() {
             return Err(Error::InvalidInput("forward over no sequence".into()));
         }
@@ -314,6 +353,28 @@ impl Qwen3 {
             self.check_tokens(chunk.tokens)?;
             tokens.extend(chunk.tokens.iter().map(|&t| i64::from(t)));
         }
+        // Rows whose ids come from the device: 0 on the host, `src` = index + 1 into the values.
+        let mut src = Vec::new();
+        if let Some(d) = &device {
+            let [k, width] = d.values.dims();
+            if width != 1 {
+                return Err(Error::InvalidInput(format!(
+                    "device tokens of shape [{k}, {width}], not [k, 1]"
+                )));
+            }
+            src = vec![0i64; tokens.len()];
+            for &(row, index) in d.rows {
+                if row >= tokens.len() || index >= k {
+                    return Err(Error::InvalidInput(format!(
+                        "device token {index} of {k} for row {row} of a {}-row forward",
+                        tokens.len()
+                    )));
+                }
+                tokens[row] = 0;
+                src[row] = index as i64 + 1;
+            }
+        }
+        let device = device.map(|d| (d.values, src.as_slice()));
         // 1. reserve cache rows for every chunk (all or nothing), then build per-sequence views.
         let grow: Vec<(SeqId, usize)> = chunks.iter().map(|c| (c.seq, c.tokens.len())).collect();
         let ranges = cache.reserve(&grow)?;
@@ -349,14 +410,16 @@ impl Qwen3 {
         };
         // 2. the recorded forward of this shape, where graphs run.
         let plan = match plan {
-            Some(plan) => match self.forward_recorded(&tokens, &positions, plan, &pick, capture, cache) {
-                Recorded::Done(out) => return Ok(done(*out)),
-                Recorded::Failed(e) => {
-                    self.rollback(cache, &grow, &ranges);
-                    return Err(e);
+            Some(plan) => {
+                match self.forward_recorded(&tokens, &positions, plan, &pick, capture, device, cache) {
+                    Recorded::Done(out) => return Ok(done(*out)),
+                    Recorded::Failed(e) => {
+                        self.rollback(cache, &grow, &ranges);
+                        return Err(e);
+                    }
+                    Recorded::No(plan) => Some(plan.upload(&self.device)),
                 }
-                Recorded::No(plan) => Some(plan.upload(&self.device)),
-            },
+            }
             None => None,
         };
         if plan.is_none() {
@@ -371,7 +434,11 @@ impl Qwen3 {
             }
         }
         // 3. op by op: embed [rows, hidden], rotary tables [rows, head_dim], the layers, logits.
-        let ids = Tensor::<1, Int>::from_data(TensorData::new(tokens, [total]), &self.device);
+        let mut ids = Tensor::<1, Int>::from_data(TensorData::new(tokens, [total]), &self.device);
+        if let Some((values, src)) = device {
+            let src = Tensor::<1, Int>::from_data(TensorData::new(src.to_vec(), [total]), &self.device);
+            ids = merge_device_tokens(ids, src, values.clone());
+        }
         let (cos, sin) = self.rope.tables(&positions, self.dtype, &self.device);
         let n = pick.len();
         let pick = (n > 0 && n < total)
@@ -437,6 +504,7 @@ impl Qwen3 {
     /// devices where graphs run and for at most [`super::graphs::MAX_GRAPH_ROWS`] rows (prefill:
     /// [`super::graphs::MAX_SPAN_ROWS`]). Its outputs equal the op-by-op forward's bit for bit:
     /// the same body, reading the same values from device buffers instead of fresh uploads.
+    #[allow(clippy::too_many_arguments)]
     fn forward_recorded(
         &self,
         tokens: &[i64],
@@ -444,6 +512,7 @@ impl Qwen3 {
         plan: HostPlan,
         pick: &[i64],
         capture: &[usize],
+        device: Option<(&Tensor<2>, &[i64])>,
         cache: &mut dyn KvCache,
     ) -> Recorded {
         let (real, picks) = (tokens.len(), pick.len());
@@ -483,18 +552,26 @@ impl Qwen3 {
         if pick_rows {
             ints.extend_from_slice(pick);
         }
+        // Rows whose ids are on the device: their sources after the other sections (padding
+        // rows keep their host id).
+        let src_at = ints.len();
+        if let Some((_, src)) = device {
+            ints.extend_from_slice(src);
+            ints.resize(src_at + rows, 0);
+        }
         // The rows' grouping is fixed in the recording (it sets the attention kernel's cubes): one
         // sequence's window is one group with its padding, so windows padded to the same row
         // count still share a shape.
         let group = if plan.group == real { rows } else { plan.group };
-        let mut detail = vec![picks, group];
+        let values_len = device.map_or(0, |(values, _)| values.dims()[0]);
+        let mut detail = vec![values_len, picks, group];
         detail.extend_from_slice(capture);
         let key = ShapeKey { rows, ints: ints.len(), detail };
         // Logits leave the graph in the model's dtype and are widened to f32 as they are handed
         // out (see `HostInputs::widen`).
         let widen = usize::from(picks > 0);
-        let mut host =
-            HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats: None, widen };
+        let floats = device.map(|(values, _)| values.clone());
+        let mut host = HostInputs { ints, keys: plan.keys.clone(), meta: plan.meta.clone(), floats, widen };
         if rows > real {
             let at = host.keys.len() as i32;
             host.keys.push(pad_row as i32);
@@ -503,7 +580,13 @@ impl Qwen3 {
             }
         }
         let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
-            let ids = inputs.ints(0, rows);
+            let mut ids = inputs.ints(0, rows);
+            if values_len > 0 {
+                let values = inputs.floats(values_len, 1).ok_or_else(|| {
+                    Error::InvalidInput("a recorded forward without its device tokens".into())
+                })?;
+                ids = merge_device_tokens(ids, inputs.ints(src_at, rows), values);
+            }
             let at = inputs.ints(rows, rows);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
             let plan = inputs.plan(rows, 2 * rows, group);
@@ -582,4 +665,13 @@ enum Recorded {
     Failed(Error),
     /// Not recorded: run op by op with this plan.
     No(HostPlan),
+}
+
+/// `ids` with the rows whose `src` is `j + 1` replaced by `values[j]` (f32 `[k, 1]` holding exact
+/// integer ids; `src` 0 keeps the row's id, which the caller left 0).
+fn merge_device_tokens(ids: Tensor<1, Int>, src: Tensor<1, Int>, values: Tensor<2>) -> Tensor<1, Int> {
+    let [k, _] = values.dims();
+    let values = values.reshape([k]);
+    let table = Tensor::cat(vec![values.clone().narrow(0, 0, 1).zeros_like(), values], 0);
+    ids + table.select(0, src).int()
 }
