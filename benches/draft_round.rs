@@ -12,14 +12,19 @@
 //!   random rows, T = 1, plain and with top-k 50 / top-p 0.9), with the verdict read back, and
 //!   the host path it replaces (rows read back, `target_probs_rows`, `chain_verify`);
 //! - with `--graphs on,off`, all of it with recorded CUDA graphs and op by op;
+//! - a greedy round's proposal and verify back to back, as the engine runs them: the drafts
+//!   read back before the verify (two reads), and, with graphs on, the verify queued behind the
+//!   draft round, reading its drafts on the device (one read, `EngineConfig::one_sync_rounds`);
 //! - the speedup over target-only these times imply at acceptance τ:
-//!   `τ · step / (extend + propose + verify)`.
+//!   `τ · step / (extend + propose + verify)`, and with the one-read pair
+//!   `τ · step / (extend + one read)`.
 //!
 //! Medians of `--reps` runs after `--warmup` untimed ones. Prints a markdown table.
 //!
 //! ```text
 //! bench-draft --device cuda --dtype bf16 --layouts 7c,16 --reps 20
 //! bench-draft --device cpu --dtype f32 --shape tiny --reps 3          # smoke test
+//! bench-draft --device cpu --dtype f32 --shape tiny --reps 3 --emulate-graphs  # recorded paths
 //! ```
 
 // Only the meter is used here.
@@ -35,11 +40,11 @@ mod spans;
 
 use std::time::Instant;
 
-use burn::tensor::{Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorCreationOptions, TensorData};
 use clap::Parser;
 use dspark::{
-    ComputeDtype, DSparkDraft, DeviceKind, DraftCacheConfig, KvCache, LogitRows, PagedKvCache, ProposeLane,
-    Qwen3, SamplingParams, SeqChunk, Speculator, TargetBinding,
+    ComputeDtype, DSparkDraft, DeviceKind, DeviceTokens, DraftCacheConfig, KvCache, LogitRows, PagedKvCache,
+    ProposeLane, Qwen3, SamplingParams, SeqChunk, SeqId, Speculator, TargetBinding,
 };
 
 #[derive(Parser)]
@@ -91,6 +96,10 @@ struct Args {
     /// row and head), for an A/B of the two in one call.
     #[arg(long, default_value = "tc", value_parser = ["tc", "warp"])]
     attention: String,
+    /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
+    /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
+    #[arg(long)]
+    emulate_graphs: bool,
 }
 
 /// After a phase is timed: once more inside the profiling window when `--profile` names
@@ -171,9 +180,58 @@ fn memory_at(stage: &str, meter: &memory::Meter, device: &Device) {
     );
 }
 
+/// A target forward of `tokens` as a decode or verify step, its argmax read back; the rows
+/// are dropped again.
+fn step(target: &Qwen3, cache: &mut PagedKvCache, seq: SeqId, tokens: &[u32]) -> dspark::Result<()> {
+    let len = cache.len(seq)?;
+    let out = target.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], cache)?;
+    let logits = out.logits.ok_or_else(|| dspark::Error::Backend("a forward without logits".into()))?;
+    let _ = dspark_kernels::argmax_rows(logits).into_data();
+    cache.truncate(seq, len)
+}
+
+/// A greedy round's draft and verify as the engine runs them with one-sync rounds: the verify
+/// window queued behind the draft round reads its drafts on the device, and the drafts and the
+/// target's argmax come back in one read. An error when the draft does not defer (no graphs).
+fn one_read_round(
+    target: &Qwen3,
+    cache: &mut PagedKvCache,
+    seq: SeqId,
+    draft: &mut DSparkDraft,
+    lane: &[ProposeLane<'_>],
+) -> dspark::Result<()> {
+    let gamma = draft.block_size();
+    let deferred = draft
+        .propose_deferred(lane)?
+        .ok_or_else(|| dspark::Error::InvalidInput("the draft round was not deferred".into()))?;
+    let len = cache.len(seq)?;
+    let window: Vec<u32> = std::iter::once(11).chain(std::iter::repeat_n(0, gamma)).collect();
+    let slots: Vec<(usize, usize)> = (0..gamma).map(|k| (k + 1, k)).collect();
+    let tokens = DeviceTokens { values: &deferred.tokens, rows: &slots };
+    let chunk = [SeqChunk { seq, tokens: &window, logits: LogitRows::All }];
+    let out = target.forward_device_tokens(&chunk, tokens, &[], cache)?;
+    let logits = out.logits.ok_or_else(|| dspark::Error::Backend("a forward without logits".into()))?;
+    let ids = dspark_kernels::argmax_rows(logits);
+    let rows = ids.dims()[0];
+    let [_, read] = deferred.readback.dims();
+    let both =
+        Tensor::cat(vec![deferred.readback.clone(), ids.float().cast(DType::F32).reshape([1, rows])], 1);
+    let values = both
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .map_err(|e| dspark::Error::Backend(format!("{e:?}")))?;
+    draft.finish_deferred(lane, deferred, &values[..read])?;
+    cache.truncate(seq, len)
+}
+
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
     dspark_kernels::set_tensor_core_attention(args.attention == "tc");
+    if args.emulate_graphs {
+        dspark_kernels::set_graph_emulation(true);
+        dspark_kernels::set_paged_reference(true);
+    }
     // Always installed: the library's warnings (a graph that would not record) reach stderr.
     let span_times = spans::SpanTimes::install(args.spans);
     let spans = span_times.as_ref().filter(|_| args.spans);
@@ -197,22 +255,19 @@ fn main() -> dspark::Result<()> {
     let seq = cache.allocate();
     let prompt: Vec<u32> = (0..args.context as u32).map(|i| (17 + 31 * i) % vocab).collect();
     target.forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &[], &mut cache)?;
-    // A target forward of `tokens` as a decode or verify step; the rows are dropped again.
-    let mut step = |tokens: &[u32]| -> dspark::Result<()> {
-        let len = cache.len(seq)?;
-        let out = target.forward(&[SeqChunk { seq, tokens, logits: LogitRows::All }], &[], &mut cache)?;
-        let ids = dspark_kernels::argmax_rows(out.logits.expect("logits"));
-        let _ = ids.into_data();
-        cache.truncate(seq, len)
-    };
 
     let mut header = String::from(
-        "| device | dtype | draft | γ | weights | graphs | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | propose T=1, q on device ms | accept T=1 ms | accept T=1 top-k 50 top-p 0.9 ms | host accept T=1 ms | host accept T=1 top-k 50 top-p 0.9 ms | round ms (greedy) | round ms (T=1, top-k/top-p) | round ms (T=1, top-k/top-p, host q and accept) |",
+        "| device | dtype | draft | γ | weights | graphs | draft MiB | target step ms | verify γ+1 ms | × step | extend 4 rows ms | propose greedy ms | propose T=1 ms | propose T=1, q on device ms | accept T=1 ms | accept T=1 top-k 50 top-p 0.9 ms | host accept T=1 ms | host accept T=1 top-k 50 top-p 0.9 ms | round ms (greedy) | round ms (T=1, top-k/top-p) | round ms (T=1, top-k/top-p, host q and accept) | propose + verify, two reads ms | propose + verify, one read ms | round ms (greedy, one read) |",
     );
-    let mut rule =
-        String::from("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let mut rule = String::from(
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    );
     for tau in &args.tau {
         header.push_str(&format!(" implied speedup τ={tau} |"));
+        rule.push_str("---|");
+    }
+    for tau in &args.tau {
+        header.push_str(&format!(" implied speedup τ={tau}, one read |"));
         rule.push_str("---|");
     }
     println!("{header}\n{rule}");
@@ -235,8 +290,8 @@ fn main() -> dspark::Result<()> {
     }
     for mode in &args.graphs {
         dspark_kernels::set_graphs_enabled(mode == "on");
-        let one_row = time(&device, args.warmup, args.reps, || step(&[11]))?;
-        profiled(&args, &device, spans, "step", || step(&[11]))?;
+        let one_row = time(&device, args.warmup, args.reps, || step(&target, &mut cache, seq, &[11]))?;
+        profiled(&args, &device, spans, "step", || step(&target, &mut cache, seq, &[11]))?;
         eprintln!("graphs {mode}: target one-row step {:.2} ms", one_row * 1e3);
         memory_at("target steps", &meter, &device);
         for (spec, weights) in args.layouts.iter().flat_map(|l| args.weights.iter().map(move |w| (l, w))) {
@@ -249,8 +304,8 @@ fn main() -> dspark::Result<()> {
             draft_config.block_size = gamma;
             draft_config.enable_confidence_head = confidence;
             let window: Vec<u32> = (0..=gamma as u32).map(|i| (101 + 7 * i) % vocab).collect();
-            let verify = time(&device, args.warmup, args.reps, || step(&window))?;
-            profiled(&args, &device, spans, "verify", || step(&window))?;
+            let verify = time(&device, args.warmup, args.reps, || step(&target, &mut cache, seq, &window))?;
+            profiled(&args, &device, spans, "verify", || step(&target, &mut cache, seq, &window))?;
             memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
             let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
             let t = Instant::now();
@@ -276,6 +331,10 @@ fn main() -> dspark::Result<()> {
                     t.elapsed().as_secs_f64(),
                     draft.fp8_on_device()
                 );
+            }
+            if args.emulate_graphs {
+                // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
+                draft.set_device_markov(true);
             }
             let width = draft.feature_layers().len() * config.hidden_size;
             let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
@@ -321,6 +380,22 @@ fn main() -> dspark::Result<()> {
             // As the engine asks where it verifies on the device: the rows stay there.
             let p_kept = propose(&sampled, "propose-sampled", true)?;
             draft.set_q_on_device(false);
+            // The greedy draft and verify as one engine round: drafts read back before the
+            // verify (two reads), or the verify queued behind the draft round (one read).
+            let lane = [ProposeLane { seq: dseq, anchor: 5, params: &greedy }];
+            let two_reads = time(&device, args.warmup, args.reps, || {
+                let proposal = draft.propose(&lane)?;
+                let window: Vec<u32> =
+                    std::iter::once(11).chain(proposal[0].tokens.iter().copied()).collect();
+                step(&target, &mut cache, seq, &window)
+            })?;
+            let one_read = if dspark_kernels::graphs_available(&device) || args.emulate_graphs {
+                Some(time(&device, args.warmup, args.reps, || {
+                    one_read_round(&target, &mut cache, seq, &mut draft, &lane)
+                })?)
+            } else {
+                None
+            };
             // Chain acceptance of one lane's γ drafts on the device, and its two ids read back.
             let accept_opts = TensorCreationOptions::new(device.clone()).with_dtype(burn::tensor::DType::F32);
             let p_rows = Tensor::<2>::random(
@@ -415,8 +490,15 @@ fn main() -> dspark::Result<()> {
                 round_sampled * 1e3,
                 round_host * 1e3
             );
+            let round_one = one_read.map(|t| extend + t);
+            let ms = |t: Option<f64>| t.map_or("—".to_string(), |t| format!("{:.2}", t * 1e3));
+            row.push_str(&format!(" {:.2} | {} | {} |", two_reads * 1e3, ms(one_read), ms(round_one)));
             for tau in &args.tau {
                 row.push_str(&format!(" {:.2}× |", tau * one_row / round));
+            }
+            for tau in &args.tau {
+                let implied = round_one.map_or("—".to_string(), |r| format!("{:.2}×", tau * one_row / r));
+                row.push_str(&format!(" {implied} |"));
             }
             println!("{row}");
             eprintln!("{row}");
