@@ -42,7 +42,8 @@ pub fn graphs_enabled() -> bool {
 
 /// Take the recorded path where no graph can be recorded (the CPU): callers that record their
 /// forwards then run the body from their device inputs on every call, as a replay would read
-/// them. Tests the input plumbing of recorded forwards without a GPU. Off by default;
+/// them. Tests the input plumbing of recorded forwards without a GPU (dspark's engine then also
+/// verifies sampled lanes through [`crate::chain_accept`], as on CUDA). Off by default;
 /// process-wide.
 pub fn set_graph_emulation(enabled: bool) {
     EMULATE.store(enabled, Ordering::Relaxed);

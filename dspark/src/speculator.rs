@@ -50,6 +50,9 @@ pub struct DeferredProposals {
     pub tokens: Tensor<2>,
     /// f32 `[1, len]`: what [`Speculator::finish_deferred`] needs back on the host.
     pub readback: Tensor<2>,
+    /// When a lane samples: the round's proposal rows `[lanes · γ, V]` (f32), lane `i`'s draft
+    /// `k` drawn from `softmax(row[i · γ + k] / T)` (what its [`Proposal::q_rows`] will hold).
+    pub q_rows: Option<Tensor<2>>,
     /// The draft's own bookkeeping between the two calls.
     pub state: Box<dyn std::any::Any>,
 }

@@ -94,8 +94,9 @@ fn one_sync_rounds_change_no_token_and_no_round() {
     compare("pair, 1 lane, full", &pair_t, &pair_d, &greedy[..1], VerifyPolicy::Full, Some(true));
     compare("pair, 4 lanes, fixed 4", &pair_t, &pair_d, &greedy, VerifyPolicy::Fixed(4), Some(true));
 
-    // 2. Sampling lanes, alone or beside a greedy one, and a confidence threshold, keep the
-    //    round that reads the drafts first.
+    // 2. Sampling lanes, alone or beside a greedy one: their drafts go into the acceptance
+    //    words on the device, and the verdicts come back with the drafts. A confidence
+    //    threshold keeps the round that reads the drafts first.
     let sampled: Vec<Request> = greedy
         .iter()
         .enumerate()
@@ -108,9 +109,8 @@ fn one_sync_rounds_change_no_token_and_no_round() {
             },
         })
         .collect();
-    compare("pair, sampled", &pair_t, &pair_d, &sampled[1..], VerifyPolicy::Full, Some(false));
-    // (the greedy lane may run alone, one-sync, once the sampled ones are done)
-    compare("pair, greedy beside sampled", &pair_t, &pair_d, &sampled, VerifyPolicy::Full, None);
+    compare("pair, sampled", &pair_t, &pair_d, &sampled[1..], VerifyPolicy::Full, Some(true));
+    compare("pair, greedy beside sampled", &pair_t, &pair_d, &sampled, VerifyPolicy::Fixed(3), Some(true));
     compare("pair, threshold", &pair_t, &pair_d, &greedy[..2], VerifyPolicy::Threshold(0.5), Some(false));
 
     // 3. The SpecForge layout without a confidence head, several lanes: the round reads back

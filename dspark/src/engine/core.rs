@@ -30,12 +30,14 @@ pub struct EngineConfig {
     pub max_prefill_tokens: usize,
     /// Measured target verify and draft round times, for [`VerifyPolicy::Throughput`].
     pub cost_table: Option<std::sync::Arc<super::schedule::CostTable>>,
-    /// Rounds wait on the device once where they can (on by default): when every lane is
-    /// greedy, the verify width is fixed ([`VerifyPolicy::Full`] or [`VerifyPolicy::Fixed`]) and
-    /// the draft queues its round ([`crate::Speculator::propose_deferred`], a recorded DSpark
-    /// round), the verify forward is queued behind the draft round and reads its tokens on the
-    /// device; drafts and verdicts then come back in one read. The output is the same either
-    /// way; off, the engine reads the drafts before it verifies them.
+    /// Rounds wait on the device once where they can (on by default): when the verify width is
+    /// fixed ([`VerifyPolicy::Full`] or [`VerifyPolicy::Fixed`]), every lane is greedy or the
+    /// device verifies sampled lanes (CUDA), and the draft queues its round
+    /// ([`crate::Speculator::propose_deferred`], a recorded DSpark round), the verify forward is
+    /// queued behind the draft round and reads its tokens on the device, sampled lanes' chain
+    /// acceptance reads them there too, and drafts, the target's argmax and the verdicts come
+    /// back in one read. The output is the same either way; off, the engine reads the drafts
+    /// before it verifies them.
     pub one_sync_rounds: bool,
 }
 
@@ -369,7 +371,7 @@ impl Engine {
         let mut draft = draft;
         // Sampled rounds verify on the device where the kernels run: proposals keep their rows
         // there.
-        draft.set_q_on_device(dspark_kernels::kernels_available(target.device()));
+        draft.set_q_on_device(super::speculative::verifies_on_device(target.device()));
         let mut engine = Self::new(target, config)?;
         engine.draft = Some(draft);
         Ok(engine)

@@ -14,9 +14,9 @@ use super::schedule;
 use crate::accept::{Verdict, chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
 use crate::kv_cache::{KvCache, SeqId};
-use crate::model::{DeviceTokens, LogitRows, SeqChunk};
+use crate::model::{DeviceTokens, LogitRows, SeqChunk, merge_device_tokens};
 use crate::sampling::{SamplingParams, Stream, argmax, coin, target_probs, target_probs_rows};
-use crate::speculator::{DeviceQ, Proposal, ProposeLane};
+use crate::speculator::{DeferredProposals, DeviceQ, Proposal, ProposeLane};
 
 /// How many of `proposal`'s drafts to verify under `policy`.
 fn verify_count(policy: VerifyPolicy, proposal: &Proposal, gamma: usize) -> usize {
@@ -105,6 +105,74 @@ fn accept_on_device(
     Ok(verdicts)
 }
 
+/// Whether sampled lanes are verified on the device ([`dspark_kernels::chain_accept`]): where
+/// the kernels run, and on the CPU under graph emulation (which stands in for the CUDA engine's
+/// path in tests).
+pub(super) fn verifies_on_device(device: &burn::tensor::Device) -> bool {
+    dspark_kernels::kernels_available(device) || dspark_kernels::graph_emulation()
+}
+
+/// The sampled lanes' chain acceptance of a deferred round, queued on the device: lane `i`
+/// verifies its first `m` drafts, which the device fills into the lane words from
+/// `deferred.tokens`, against the target rows from `first_rows[i]` and its proposal rows
+/// `deferred.q_rows[i · γ ..]`. Returns the `(accepted, bonus)` pairs `[2 · lanes]` and the
+/// running-lane index of each, or `None` without sampled lanes. Coins as [`accept_on_device`].
+fn accept_deferred(
+    logits: &Tensor<2>,
+    params: &[&SamplingParams],
+    deferred: &DeferredProposals,
+    m: usize,
+    first_rows: &[usize],
+    positions: &[usize],
+    gamma: usize,
+) -> Result<Option<(Tensor<1, Int>, Vec<usize>)>> {
+    use dspark_kernels::accept::{AcceptLane, ENTRY_WORDS, LANE_HEADER, accept_words, lane_stride};
+    if params.iter().all(|p| p.is_greedy()) {
+        return Ok(None);
+    }
+    let q = deferred
+        .q_rows
+        .clone()
+        .ok_or_else(|| Error::Backend("a deferred sampling round without its proposal rows".into()))?;
+    let [p_rows, _] = logits.dims();
+    let stride = lane_stride(gamma);
+    let (mut lanes, mut owners, mut src) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, p) in params.iter().enumerate() {
+        if p.is_greedy() {
+            continue;
+        }
+        let first = positions[i] + 1;
+        lanes.push(AcceptLane {
+            p_row: first_rows[i],
+            q_row: i * gamma,
+            drafts: vec![0; m],
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            accept_coins: (0..m).map(|s| coin(p.seed, Stream::Accept, first + s)).collect(),
+            draw_coins: (0..=m).map(|c| coin(p.seed, Stream::TargetSample, first + c)).collect(),
+        });
+        // Draft j of this lane: word `LANE_HEADER + ENTRY_WORDS · j` of its block, value
+        // `tokens[i · γ + j]` (as `merge_device_tokens` reads `src`: index + 1).
+        let block = owners.len() * stride;
+        src.resize(block + stride, 0);
+        for j in 0..m {
+            src[block + LANE_HEADER + ENTRY_WORDS * j] = (i * gamma + j + 1) as i64;
+        }
+        owners.push(i);
+    }
+    let q_count = q.dims()[0];
+    let (rows, words) = accept_words(&lanes, p_rows, q_count, gamma);
+    let device = logits.device();
+    let count = lanes.len() * stride;
+    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [3 * (p_rows + q_count)]), &device);
+    let words = Tensor::<1, Int>::from_data(TensorData::new(words, [count]), &device);
+    let src = Tensor::<1, Int>::from_data(TensorData::new(src, [count]), &device);
+    let words = merge_device_tokens(words, src, deferred.tokens.clone()).reshape([lanes.len(), stride]);
+    let pairs = dspark_kernels::chain_accept(logits.clone(), q, rows, words).reshape([2 * lanes.len()]);
+    Ok(Some((pairs, owners)))
+}
+
 /// The proposal distributions `softmax(row / T)` of `m` device rows, made on the host (for a
 /// sampled lane verified on the host whose draft left its rows on the device).
 fn host_q(rows: &DeviceQ, m: usize, temperature: f32) -> Result<Vec<Vec<f64>>> {
@@ -144,8 +212,11 @@ impl Engine {
             VerifyPolicy::Fixed(w) => Some((w - 1).min(gamma)),
             _ => None,
         };
+        // Sampled lanes need their proposal rows on the device (the draft defers only then) and
+        // the device's acceptance.
+        let device_verify = all_greedy || verifies_on_device(self.target.device());
         let deferred = match fixed_width {
-            Some(_) if self.one_sync_rounds && all_greedy => draft.propose_deferred(&lanes)?,
+            Some(_) if self.one_sync_rounds && device_verify => draft.propose_deferred(&lanes)?,
             _ => None,
         };
         let (proposals, counts, windows, positions, output, logits, argmax_ids, device_verdicts, host_logits) =
@@ -178,19 +249,47 @@ impl Engine {
                 let output = self.target.forward_device_tokens(&chunks, tokens, &layers, &mut self.cache)?;
                 self.stats.forward_passes += 1;
                 let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
-                let ids = dspark_kernels::argmax_rows(logits_t);
-                let rows = ids.dims()[0];
-                let [_, len] = deferred.readback.dims();
-                let both = Tensor::cat(
-                    vec![deferred.readback.clone(), ids.float().cast(DType::F32).reshape([1, rows])],
-                    1,
-                );
-                let values = read_f32(both)?;
-                if values.len() != len + rows {
+                // One read: the draft's values, the target's argmax (greedy lanes), the verdict
+                // pairs of the sampled lanes (accepted, bonus), decided on the device.
+                let params: Vec<&SamplingParams> = self.running.iter().map(|l| &l.request.params).collect();
+                let mut parts = vec![deferred.readback.clone()];
+                let any_greedy = params.iter().any(|p| p.is_greedy());
+                if any_greedy {
+                    let ids = dspark_kernels::argmax_rows(logits_t.clone());
+                    let rows = ids.dims()[0];
+                    parts.push(ids.float().cast(DType::F32).reshape([1, rows]));
+                }
+                let first_rows: Vec<usize> = output.logit_rows.iter().map(|r| r.start).collect();
+                let sampled =
+                    accept_deferred(&logits_t, &params, &deferred, m, &first_rows, &positions, gamma)?;
+                if let Some((pairs, _)) = &sampled {
+                    let n = pairs.dims()[0];
+                    parts.push(pairs.clone().float().cast(DType::F32).reshape([1, n]));
+                }
+                drop(params);
+                let widths: Vec<usize> = parts.iter().map(|t| t.dims()[1]).collect();
+                let values = read_f32(Tensor::cat(parts, 1))?;
+                if values.len() != widths.iter().sum::<usize>() {
                     return Err(Error::Backend("a one-sync round read back the wrong length".into()));
                 }
-                let proposals = draft.finish_deferred(&lanes, deferred, &values[..len])?;
-                let argmax_ids: Vec<u32> = values[len..].iter().map(|&v| v as u32).collect();
+                let (draft_values, rest) = values.split_at(widths[0]);
+                let proposals = draft.finish_deferred(&lanes, deferred, draft_values)?;
+                let (ids, pairs) = rest.split_at(if any_greedy { widths[1] } else { 0 });
+                let argmax_ids: Vec<u32> = ids.iter().map(|&v| v as u32).collect();
+                let mut device_verdicts = vec![None; lanes.len()];
+                if let Some((_, owners)) = sampled {
+                    for (&i, pair) in owners.iter().zip(pairs.chunks(2)) {
+                        let (accepted, bonus) = (pair[0] as usize, pair[1] as u32);
+                        if accepted > m {
+                            return Err(Error::Backend(format!(
+                                "device verdict accepts {accepted} of {m} drafts"
+                            )));
+                        }
+                        let mut committed = proposals[i].tokens[..accepted].to_vec();
+                        committed.push(bonus);
+                        device_verdicts[i] = Some(Verdict { accepted, bonus, committed, cap_trim: 0 });
+                    }
+                }
                 let windows: Vec<Vec<u32>> = self
                     .running
                     .iter()
@@ -203,7 +302,17 @@ impl Engine {
                 }
                 self.prior_confidence = mean_confidence(&proposals, gamma);
                 self.stats.verify_time += drafted_at.elapsed();
-                (proposals, counts, windows, positions, output, Vec::new(), argmax_ids, Vec::new(), false)
+                (
+                    proposals,
+                    counts,
+                    windows,
+                    positions,
+                    output,
+                    Vec::new(),
+                    argmax_ids,
+                    device_verdicts,
+                    false,
+                )
             } else {
                 let proposals = draft.propose(&lanes)?;
                 self.stats.draft_passes += 1;
@@ -241,7 +350,7 @@ impl Engine {
                 let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
                 // Where the kernels run, only ids leave the device: the target's argmax for greedy lanes,
                 // and for sampled lanes whose proposal rows are on the device, their verdicts.
-                let on_kernels = dspark_kernels::kernels_available(&logits_t.device());
+                let on_kernels = verifies_on_device(&logits_t.device());
                 let params: Vec<&SamplingParams> = self.running.iter().map(|l| &l.request.params).collect();
                 let any_greedy = params.iter().any(|p| p.is_greedy());
                 let any_sampled = params.iter().any(|p| !p.is_greedy());

@@ -1371,7 +1371,8 @@ impl Speculator for DSparkDraft {
         };
         let tokens = launched.out.clone().narrow(1, 0, launched.n).reshape([launched.n, 1]);
         let readback = launched.out.clone();
-        Ok(Some(DeferredProposals { tokens, readback, state: Box::new(launched) }))
+        let q_rows = launched.rows.clone().filter(|_| launched.keep);
+        Ok(Some(DeferredProposals { tokens, readback, q_rows, state: Box::new(launched) }))
     }
 
     fn finish_deferred(

@@ -16,5 +16,6 @@ pub use dspark_draft::{DSparkDraft, DraftCacheConfig, MarkovPass, TargetBinding}
 pub use markov::{ConfidenceHead, MarkovHead};
 
 pub use layer::DecoderLayer;
+pub(crate) use qwen3::merge_device_tokens;
 pub use qwen3::{DeviceTokens, ForwardOutput, LoadOptions, LogitRows, Qwen3, SeqChunk};
 pub use rope::Rope;

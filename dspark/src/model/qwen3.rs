@@ -669,7 +669,11 @@ enum Recorded {
 
 /// `ids` with the rows whose `src` is `j + 1` replaced by `values[j]` (f32 `[k, 1]` holding exact
 /// integer ids; `src` 0 keeps the row's id, which the caller left 0).
-fn merge_device_tokens(ids: Tensor<1, Int>, src: Tensor<1, Int>, values: Tensor<2>) -> Tensor<1, Int> {
+pub(crate) fn merge_device_tokens(
+    ids: Tensor<1, Int>,
+    src: Tensor<1, Int>,
+    values: Tensor<2>,
+) -> Tensor<1, Int> {
     let [k, _] = values.dims();
     let values = values.reshape([k]);
     let table = Tensor::cat(vec![values.clone().narrow(0, 0, 1).zeros_like(), values], 0);
