@@ -33,11 +33,6 @@ bench)
     timeout 200 out/bin/bench-draft --layouts 7c,16 --weights bf16,fp8h --reps 10 --context 512 \
         > "$OUT/bench_draft-fp8w2.md" 2> "$OUT/bench_draft-fp8w2.log"
     echo "bench-draft exit $?"; grep "| cuda" "$OUT/bench_draft-fp8w2.md" | cut -d'|' -f2-15,20-
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-    timeout 150 "$NCU" --clock-control none --profile-from-start off --graph-profiling node \
-        --metrics gpu__time_duration.sum,launch__registers_per_thread --csv --print-units base \
-        --log-file "$OUT/ncu-fp8h.csv" out/bin/bench-draft --device cuda --dtype bf16 --layouts 7c \
-        --weights fp8h --reps 2 --warmup 3 --profile propose > /dev/null 2>&1
-    echo "ncu exit $?"; python3 benches/ncu_summary.py "$OUT/ncu-fp8h.csv" "fp8h propose" | head -30
+    ncu_fp8h_propose ncu-fp8h.csv
     ;;
 esac

@@ -36,11 +36,6 @@ bench)
     timeout 100 out/bin/bench-kernels --device cuda --plans-only --fp8 --mtiles 1,2 --only "markov W2" \
         --rows 1,8,16 > "$OUT/plans-w2-round.md" 2> "$OUT/plans-w2-round.log"
     echo "W2 exit $?"; grep "^| markov" "$OUT/plans-w2-round.md"
-    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-    timeout 150 "$NCU" --clock-control none --profile-from-start off --graph-profiling node \
-        --metrics gpu__time_duration.sum,launch__registers_per_thread --csv --print-units base \
-        --log-file "$OUT/ncu-fp8h-round.csv" out/bin/bench-draft --device cuda --dtype bf16 --layouts 7c \
-        --weights fp8h --reps 2 --warmup 3 --profile propose > /dev/null 2>&1
-    echo "ncu exit $?"; python3 benches/ncu_summary.py "$OUT/ncu-fp8h-round.csv" "fp8h propose" | head -30
+    ncu_fp8h_propose ncu-fp8h-round.csv
     ;;
 esac

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use burn::tensor::{DType, Int, Tensor, TensorData};
 
-use super::core::{Engine, RoundRecord, StepOutput, VerifyPolicy, read_f32, read_ids};
+use super::core::{Engine, Live, RoundRecord, StepOutput, VerifyPolicy, read_f32, read_ids};
 use super::schedule;
 use crate::accept::{Verdict, chain_verify_seeded, greedy_verify};
 use crate::error::{Error, Result};
@@ -34,6 +34,38 @@ fn verify_count(policy: VerifyPolicy, proposal: &Proposal, gamma: usize) -> usiz
     }
 }
 
+/// One sampled lane of [`dspark_kernels::chain_accept`]: its drafts verified from target row
+/// `p_row`, drawn from proposal row `q_row` on, with the coins of [`chain_verify_seeded`] for a
+/// window whose anchor sits at `position`.
+fn accept_lane(
+    p: &SamplingParams,
+    p_row: usize,
+    q_row: usize,
+    drafts: Vec<u32>,
+    position: usize,
+) -> dspark_kernels::accept::AcceptLane {
+    let (m, first) = (drafts.len(), position + 1);
+    dspark_kernels::accept::AcceptLane {
+        p_row,
+        q_row,
+        drafts,
+        temperature: p.temperature,
+        top_k: p.top_k,
+        top_p: p.top_p,
+        accept_coins: (0..m).map(|s| coin(p.seed, Stream::Accept, first + s)).collect(),
+        draw_coins: (0..=m).map(|c| coin(p.seed, Stream::TargetSample, first + c)).collect(),
+    }
+}
+
+/// The verify chunks of a round: each running lane's window, logits of every row.
+fn window_chunks<'a>(running: &'a [Live], windows: &'a [Vec<u32>]) -> Vec<SeqChunk<'a>> {
+    running
+        .iter()
+        .zip(windows)
+        .map(|(l, w)| SeqChunk { seq: l.seq, tokens: w, logits: LogitRows::All })
+        .collect()
+}
+
 /// Every sampled lane's verdict from one [`dspark_kernels::chain_accept`] call (`None` for
 /// greedy lanes): `logits` holds the verify rows, lane `i`'s from `first_rows[i]`; its drafts
 /// are `windows[i][1..]`, drawn from its proposal's device rows. The coins are those of
@@ -48,7 +80,7 @@ fn accept_on_device(
     positions: &[usize],
     gamma: usize,
 ) -> Result<Vec<Option<Verdict>>> {
-    use dspark_kernels::accept::{AcceptLane, accept_words, lane_stride};
+    use dspark_kernels::accept::{accept_words, lane_stride};
     let [p_rows, _] = logits.dims();
     let mut lanes = Vec::new();
     let mut parts = Vec::new();
@@ -65,17 +97,7 @@ fn accept_on_device(
         if m > 0 {
             parts.push(rows.rows.clone().narrow(0, rows.first, m));
         }
-        let first = positions[i] + 1;
-        lanes.push(AcceptLane {
-            p_row: first_rows[i],
-            q_row: q_rows,
-            drafts,
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            accept_coins: (0..m).map(|s| coin(p.seed, Stream::Accept, first + s)).collect(),
-            draw_coins: (0..=m).map(|c| coin(p.seed, Stream::TargetSample, first + c)).collect(),
-        });
+        lanes.push(accept_lane(p, first_rows[i], q_rows, drafts, positions[i]));
         owners.push(i);
         q_rows += m;
     }
@@ -126,7 +148,7 @@ fn accept_deferred(
     positions: &[usize],
     gamma: usize,
 ) -> Result<Option<(Tensor<1, Int>, Vec<usize>)>> {
-    use dspark_kernels::accept::{AcceptLane, ENTRY_WORDS, LANE_HEADER, accept_words, lane_stride};
+    use dspark_kernels::accept::{ENTRY_WORDS, LANE_HEADER, accept_words, lane_stride};
     if params.iter().all(|p| p.is_greedy()) {
         return Ok(None);
     }
@@ -141,17 +163,7 @@ fn accept_deferred(
         if p.is_greedy() {
             continue;
         }
-        let first = positions[i] + 1;
-        lanes.push(AcceptLane {
-            p_row: first_rows[i],
-            q_row: i * gamma,
-            drafts: vec![0; m],
-            temperature: p.temperature,
-            top_k: p.top_k,
-            top_p: p.top_p,
-            accept_coins: (0..m).map(|s| coin(p.seed, Stream::Accept, first + s)).collect(),
-            draw_coins: (0..=m).map(|c| coin(p.seed, Stream::TargetSample, first + c)).collect(),
-        });
+        lanes.push(accept_lane(p, first_rows[i], i * gamma, vec![0; m], positions[i]));
         // Draft j of this lane: word `LANE_HEADER + ENTRY_WORDS · j` of its block, value
         // `tokens[i · γ + j]` (as `merge_device_tokens` reads `src`: index + 1).
         let block = owners.len() * stride;
@@ -219,7 +231,10 @@ impl Engine {
             Some(_) if self.one_sync_rounds && device_verify => draft.propose_deferred(&lanes)?,
             _ => None,
         };
-        let (proposals, counts, windows, positions, output, logits, argmax_ids, device_verdicts, host_logits) =
+        // Each lane's committed length: its window's anchor position.
+        let positions: Vec<usize> =
+            self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
+        let (proposals, counts, windows, output, logits, argmax_ids, device_verdicts, host_logits) =
             if let Some(deferred) = deferred {
                 let m = fixed_width.unwrap_or(gamma);
                 self.stats.draft_passes += 1;
@@ -237,14 +252,7 @@ impl Engine {
                     .iter()
                     .map(|l| std::iter::once(l.next).chain(std::iter::repeat_n(0, m)).collect())
                     .collect();
-                let positions: Vec<usize> =
-                    self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
-                let chunks: Vec<SeqChunk<'_>> = self
-                    .running
-                    .iter()
-                    .zip(&placeholders)
-                    .map(|(l, w)| SeqChunk { seq: l.seq, tokens: w, logits: LogitRows::All })
-                    .collect();
+                let chunks = window_chunks(&self.running, &placeholders);
                 let tokens = DeviceTokens { values: &deferred.tokens, rows: &slots };
                 let output = self.target.forward_device_tokens(&chunks, tokens, &layers, &mut self.cache)?;
                 self.stats.forward_passes += 1;
@@ -302,17 +310,7 @@ impl Engine {
                 }
                 self.prior_confidence = mean_confidence(&proposals, gamma);
                 self.stats.verify_time += drafted_at.elapsed();
-                (
-                    proposals,
-                    counts,
-                    windows,
-                    positions,
-                    output,
-                    Vec::new(),
-                    argmax_ids,
-                    device_verdicts,
-                    false,
-                )
+                (proposals, counts, windows, output, Vec::new(), argmax_ids, device_verdicts, false)
             } else {
                 let proposals = draft.propose(&lanes)?;
                 self.stats.draft_passes += 1;
@@ -337,14 +335,7 @@ impl Engine {
                         std::iter::once(l.next).chain(p.tokens[..m].iter().copied()).collect()
                     })
                     .collect();
-                let positions: Vec<usize> =
-                    self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
-                let chunks: Vec<SeqChunk<'_>> = self
-                    .running
-                    .iter()
-                    .zip(&windows)
-                    .map(|(l, w)| SeqChunk { seq: l.seq, tokens: w, logits: LogitRows::All })
-                    .collect();
+                let chunks = window_chunks(&self.running, &windows);
                 let output = self.target.forward(&chunks, &layers, &mut self.cache)?;
                 self.stats.forward_passes += 1;
                 let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
@@ -375,17 +366,7 @@ impl Engine {
                     (Vec::new(), ids, verdicts)
                 };
                 self.stats.verify_time += drafted_at.elapsed();
-                (
-                    proposals,
-                    counts,
-                    windows,
-                    positions,
-                    output,
-                    logits,
-                    argmax_ids,
-                    device_verdicts,
-                    host_logits,
-                )
+                (proposals, counts, windows, output, logits, argmax_ids, device_verdicts, host_logits)
             };
         let verified_at = Instant::now();
         let features =
