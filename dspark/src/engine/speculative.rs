@@ -113,18 +113,19 @@ fn accept_on_device(
     let out = read_ids(out)?;
     let mut verdicts = vec![None; params.len()];
     for ((lane, &i), pair) in lanes.iter().zip(&owners).zip(out.chunks(2)) {
-        let (accepted, bonus) = (pair[0] as usize, pair[1]);
-        if accepted > lane.drafts.len() {
-            return Err(Error::Backend(format!(
-                "device verdict accepts {accepted} of {} drafts",
-                lane.drafts.len()
-            )));
-        }
-        let mut committed = lane.drafts[..accepted].to_vec();
-        committed.push(bonus);
-        verdicts[i] = Some(Verdict { accepted, bonus, committed, cap_trim: 0 });
+        verdicts[i] = Some(device_verdict(&lane.drafts, pair[0] as usize, pair[1])?);
     }
     Ok(verdicts)
+}
+
+/// The verdict a device acceptance returned as `(accepted, bonus)` for these drafts.
+fn device_verdict(drafts: &[u32], accepted: usize, bonus: u32) -> Result<Verdict> {
+    if accepted > drafts.len() {
+        return Err(Error::Backend(format!("device verdict accepts {accepted} of {} drafts", drafts.len())));
+    }
+    let mut committed = drafts[..accepted].to_vec();
+    committed.push(bonus);
+    Ok(Verdict { accepted, bonus, committed, cap_trim: 0 })
 }
 
 /// Whether sampled lanes are verified on the device ([`dspark_kernels::chain_accept`]): where
@@ -287,15 +288,8 @@ impl Engine {
                 let mut device_verdicts = vec![None; lanes.len()];
                 if let Some((_, owners)) = sampled {
                     for (&i, pair) in owners.iter().zip(pairs.chunks(2)) {
-                        let (accepted, bonus) = (pair[0] as usize, pair[1] as u32);
-                        if accepted > m {
-                            return Err(Error::Backend(format!(
-                                "device verdict accepts {accepted} of {m} drafts"
-                            )));
-                        }
-                        let mut committed = proposals[i].tokens[..accepted].to_vec();
-                        committed.push(bonus);
-                        device_verdicts[i] = Some(Verdict { accepted, bonus, committed, cap_trim: 0 });
+                        let drafts = &proposals[i].tokens[..m];
+                        device_verdicts[i] = Some(device_verdict(drafts, pair[0] as usize, pair[1] as u32)?);
                     }
                 }
                 let windows: Vec<Vec<u32>> = self
@@ -305,10 +299,6 @@ impl Engine {
                     .map(|(l, p)| std::iter::once(l.next).chain(p.tokens[..m].iter().copied()).collect())
                     .collect();
                 let counts = vec![m; lanes.len()];
-                for (l, p) in self.running.iter_mut().zip(&proposals) {
-                    l.last_confidence.clone_from(&p.confidence);
-                }
-                self.prior_confidence = mean_confidence(&proposals, gamma);
                 self.stats.verify_time += drafted_at.elapsed();
                 (proposals, counts, windows, output, Vec::new(), argmax_ids, device_verdicts, false)
             } else {
@@ -321,11 +311,6 @@ impl Engine {
                 } else {
                     proposals.iter().map(|p| verify_count(self.verify, p, gamma)).collect()
                 };
-                // Each lane's confidences become its "earlier round" for the next budget.
-                for (l, p) in self.running.iter_mut().zip(&proposals) {
-                    l.last_confidence.clone_from(&p.confidence);
-                }
-                self.prior_confidence = mean_confidence(&proposals, gamma);
                 let windows: Vec<Vec<u32>> = self
                     .running
                     .iter()
@@ -368,6 +353,12 @@ impl Engine {
                 self.stats.verify_time += drafted_at.elapsed();
                 (proposals, counts, windows, output, logits, argmax_ids, device_verdicts, host_logits)
             };
+        // Each lane's confidences become its "earlier round" for the next budget (after this
+        // round's widths were chosen from the earlier ones).
+        for (l, p) in self.running.iter_mut().zip(&proposals) {
+            l.last_confidence.clone_from(&p.confidence);
+        }
+        self.prior_confidence = mean_confidence(&proposals, gamma);
         let verified_at = Instant::now();
         let features =
             output.features.clone().ok_or_else(|| Error::Backend("no features captured".into()))?;
