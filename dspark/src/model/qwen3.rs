@@ -64,7 +64,9 @@ impl LogitRows {
 
 /// Token ids of a forward that are still on the device (the drafts of a deferred round, see
 /// [`crate::Speculator::propose_deferred`]): row `rows[j].0` of the forward (counted over its
-/// chunks in order) takes `values[rows[j].1]`, whatever its chunk holds there.
+/// chunks in order) takes `values[rows[j].1]`, whatever its chunk holds there. The values are
+/// not checked on the host (that would take the read this type avoids): they must be ids of the
+/// target's vocabulary, as the tokens of a draft bound to this target are.
 #[derive(Debug, Clone, Copy)]
 pub struct DeviceTokens<'a> {
     /// f32 `[k, 1]`, exact integer ids.
