@@ -43,6 +43,15 @@ pub(crate) fn run<T: Send>(py: Python<'_>, body: impl FnOnce() -> Result<T, Fail
 ///     draft_kv_budget_bytes: bytes for the draft's context K/V (default: the Rust
 ///         `DraftCacheConfig` default).
 ///     draft_page_size: rows per page of the draft's cache (default: the Rust default).
+///     draft_fp8: quantise the draft's projections to FP8 (e4m3, one scale per output row) at
+///         load; projections the checkpoint stores in FP8 are used as stored. On CUDA in bf16
+///         they stay FP8 on the device (half the bytes per round). Outputs keep the target's
+///         distribution; acceptance may drop a little. Needs `draft`.
+///     draft_fp8_head: also give the draft an FP8 copy of the LM head for its base logits (the
+///         target's logits stay exact). Needs `draft_fp8`.
+///     one_sync_rounds: let fixed-width rounds wait on the device once (drafts merged into the
+///         verify on the device; CUDA with recorded graphs); `False` reads the drafts before
+///         the verify. Outputs are the same either way.
 ///     tokenizer: folder with `tokenizer.json` (and its configs); default: `target`, where a
 ///         missing `tokenizer.json` leaves the engine without a tokenizer (token ids only).
 ///     progress: called as `progress(bytes_loaded, bytes_total)` while weights load.
@@ -171,7 +180,7 @@ impl Engine {
     #[pyo3(signature = (
         target, draft=None, *, device="cpu", dtype="f32", kv_budget_bytes=None, page_size=None,
         verify_width=None, confidence_threshold=None, draft_kv_budget_bytes=None, draft_page_size=None,
-        draft_fp8=false, draft_fp8_head=false, tokenizer=None, progress=None,
+        draft_fp8=false, draft_fp8_head=false, one_sync_rounds=true, tokenizer=None, progress=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -188,6 +197,7 @@ impl Engine {
         draft_page_size: Option<usize>,
         draft_fp8: bool,
         draft_fp8_head: bool,
+        one_sync_rounds: bool,
         tokenizer: Option<PathBuf>,
         progress: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
@@ -214,6 +224,7 @@ impl Engine {
             kv_budget_bytes: kv_budget_bytes.unwrap_or(defaults.kv_budget_bytes),
             page_size: page_size.unwrap_or(defaults.page_size),
             verify,
+            one_sync_rounds,
             ..defaults
         };
         let draft_defaults = DraftCacheConfig::default();

@@ -145,6 +145,24 @@ pub struct BatchStats {
     pub decode_time: f64,
     /// Generated tokens per second of decode time (prefill excluded).
     pub decode_tokens_per_second: f64,
+    /// Of the decode time, speculative rounds only: seconds in the draft's proposals.
+    pub draft_time: f64,
+    /// Of the decode time, speculative rounds only: seconds in the target's verify forwards,
+    /// logits read back included.
+    pub verify_time: f64,
+    /// Of the decode time, speculative rounds only: seconds of acceptance, commits and the
+    /// draft's context update.
+    pub commit_time: f64,
+    /// Speculative rounds that waited on the device once (drafts, the target's verdicts and
+    /// the draft's values in one read; CUDA with recorded graphs). Their draft time is the time
+    /// to queue the draft round; the draft's device time counts in `verify_time`.
+    pub one_sync_rounds: usize,
+    /// Requests preempted under KV pressure (their KV freed, later resumed by recomputing it).
+    pub preemptions: usize,
+    /// Prompt and resumed rows recomputed by prefills.
+    pub prefill_tokens: usize,
+    /// Most lanes decoded together in one round.
+    pub peak_lanes: usize,
 }
 
 impl From<&dspark::BatchStats> for BatchStats {
@@ -158,6 +176,13 @@ impl From<&dspark::BatchStats> for BatchStats {
             prefill_time: s.prefill_time.as_secs_f64(),
             decode_time: s.decode_time.as_secs_f64(),
             decode_tokens_per_second: s.decode_tokens_per_second(),
+            draft_time: s.draft_time.as_secs_f64(),
+            verify_time: s.verify_time.as_secs_f64(),
+            commit_time: s.commit_time.as_secs_f64(),
+            one_sync_rounds: s.one_sync_rounds,
+            preemptions: s.preemptions,
+            prefill_tokens: s.prefill_tokens,
+            peak_lanes: s.peak_lanes,
         }
     }
 }
@@ -167,14 +192,17 @@ impl BatchStats {
     fn __repr__(&self) -> String {
         format!(
             "BatchStats(forward_passes={}, draft_passes={}, drafted={}, accepted={}, generated_tokens={}, \
-             prefill_time={:.6}, decode_time={:.6})",
+             prefill_time={:.6}, decode_time={:.6}, one_sync_rounds={}, preemptions={}, peak_lanes={})",
             self.forward_passes,
             self.draft_passes,
             self.drafted,
             self.accepted,
             self.generated_tokens,
             self.prefill_time,
-            self.decode_time
+            self.decode_time,
+            self.one_sync_rounds,
+            self.preemptions,
+            self.peak_lanes
         )
     }
 }

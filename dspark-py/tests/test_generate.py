@@ -38,6 +38,12 @@ def test_greedy_speculative_equals_greedy_target_only(target_engine, spec_engine
     spec = spec_engine.generate(prompts, params)
     assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
     assert [g.finish_reason for g in spec] == [g.finish_reason for g in plain]
+    batch = spec_engine.last_stats
+    assert batch.peak_lanes == len(prompts) and batch.draft_passes > 0
+    assert batch.draft_time > 0 and batch.verify_time > 0 and batch.commit_time > 0
+    assert batch.draft_time + batch.verify_time + batch.commit_time <= batch.decode_time
+    # Rounds with one device wait need recorded graphs (CUDA); the CPU reads drafts first.
+    assert batch.one_sync_rounds == 0
     for g in spec:
         s = g.stats
         assert s.rounds >= 1 and s.drafted > 0 and 0 <= s.accepted <= s.drafted
@@ -99,6 +105,11 @@ def test_batch_forms(target_engine, golden_cases):
     assert isinstance(stats, dspark.BatchStats)
     assert stats.generated_tokens == 9 and stats.forward_passes >= 6 and stats.draft_passes == 0
     assert stats.prefill_time >= 0 and stats.decode_time >= 0 and stats.decode_tokens_per_second >= 0
+    # Target-only: no speculative round, so no draft, verify or commit time.
+    assert stats.draft_time == stats.verify_time == stats.commit_time == 0 and stats.one_sync_rounds == 0
+    assert stats.peak_lanes == 2 and stats.preemptions == 0
+    assert stats.prefill_tokens == len(prompts[0]) + len(prompts[1])
+    assert "peak_lanes=2" in repr(stats)
     assert target_engine.generate(tuple(prompts[0]), dspark.SamplingParams(6)).token_ids == one.token_ids
     assert target_engine.generate([]) == []
     with pytest.raises(dspark.InvalidInputError, match="1 SamplingParams for 2 prompts"):
@@ -251,6 +262,16 @@ def test_fp8_draft_keeps_greedy_output(target_engine, golden_cases):
         spec = fp8.generate(prompts, params)
         assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
         assert sum(g.stats.drafted for g in spec) > 0
+
+
+def test_two_sync_rounds_keep_greedy_output(target_engine, golden_cases):
+    prompts = [c["input_ids"] for c in cases(golden_cases, "target_greedy")]
+    params = dspark.SamplingParams(24)
+    plain = target_engine.generate(prompts, params)
+    engine = dspark.Engine(TARGET, draft=DRAFT, one_sync_rounds=False)
+    spec = engine.generate(prompts, params)
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+    assert engine.last_stats.one_sync_rounds == 0 and engine.last_stats.draft_passes > 0
 
 
 @pytest.mark.parametrize(

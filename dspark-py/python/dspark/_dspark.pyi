@@ -259,6 +259,32 @@ class BatchStats:
     @property
     def decode_tokens_per_second(self) -> float:
         """Generated tokens per second of decode time (prefill excluded)."""
+    @property
+    def draft_time(self) -> float:
+        """Of the decode time, speculative rounds only: seconds in the draft's proposals."""
+    @property
+    def verify_time(self) -> float:
+        """Of the decode time, speculative rounds only: seconds in the target's verify
+        forwards, logits read back included."""
+    @property
+    def commit_time(self) -> float:
+        """Of the decode time, speculative rounds only: seconds of acceptance, commits and the
+        draft's context update."""
+    @property
+    def one_sync_rounds(self) -> int:
+        """Speculative rounds that waited on the device once (CUDA with recorded graphs).
+        Their draft time is the time to queue the draft round; the draft's device time counts
+        in ``verify_time``."""
+    @property
+    def preemptions(self) -> int:
+        """Requests preempted under KV pressure (their KV freed, later resumed by recomputing
+        it)."""
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt and resumed rows recomputed by prefills."""
+    @property
+    def peak_lanes(self) -> int:
+        """Most lanes decoded together in one round."""
 
 class StreamChunk:
     """Tokens newly committed for one request, as ``Engine.stream`` produces them."""
@@ -328,6 +354,9 @@ class Engine:
             distribution; acceptance may drop a little. Needs ``draft``.
         draft_fp8_head: also give the draft an FP8 copy of the LM head for its base logits (the
             target's logits stay exact). Needs ``draft_fp8``.
+        one_sync_rounds: let fixed-width rounds wait on the device once (drafts merged into the
+            verify on the device; CUDA with recorded graphs); ``False`` reads the drafts before
+            the verify. Outputs are the same either way.
         tokenizer: folder with ``tokenizer.json`` (and its configs); default: ``target``, where
             a missing ``tokenizer.json`` leaves the engine without a tokenizer (token ids only).
         progress: called as ``progress(bytes_loaded, bytes_total)`` while weights load.
@@ -355,6 +384,7 @@ class Engine:
         draft_page_size: Optional[int] = None,
         draft_fp8: bool = False,
         draft_fp8_head: bool = False,
+        one_sync_rounds: bool = True,
         tokenizer: Optional[StrPath] = None,
         progress: Optional[Callable[[int, int], None]] = None,
     ) -> None: ...
