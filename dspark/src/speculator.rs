@@ -149,6 +149,24 @@ pub trait Speculator {
         Err(crate::Error::InvalidInput("this draft does not defer its proposals".into()))
     }
 
+    /// Whether [`Speculator::truncate_context`] works, so the engine may extend a lane's
+    /// context by its whole verify window before the verdicts are known and cut the rejected
+    /// rows afterwards: the extension then queues on the device behind the verify, ahead of the
+    /// round's one read, instead of waiting for the host after it. Off by default.
+    fn can_truncate_context(&self) -> bool {
+        false
+    }
+
+    /// Cut a sequence's context back to its first `len` rows.
+    ///
+    /// # Errors
+    /// [`crate::Error::UnknownSequence`]; [`crate::Error::InvalidInput`] when `len` exceeds the
+    /// context, or the draft cannot (the default; see [`Speculator::can_truncate_context`]).
+    fn truncate_context(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        let _ = (seq, len);
+        Err(crate::Error::InvalidInput("this draft cannot cut its context".into()))
+    }
+
     /// Occupancy of the draft's context cache, for admission control and preemption; `None`
     /// when the draft's context is not bounded by a page pool.
     fn context_pool(&self) -> Option<PoolState> {

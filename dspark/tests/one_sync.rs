@@ -1,6 +1,8 @@
 //! Rounds that wait on the device once (`EngineConfig::one_sync_rounds`): the draft round is
 //! queued, the verify window behind it reads the drafts on the device
 //! (`Qwen3::forward_device_tokens`), and drafts and the target's argmax come back in one read.
+//! Such rounds also extend the draft's context by the whole window ahead of the verdicts and
+//! cut the rejected rows after.
 //! Exercised on the CPU through the recorded path's emulation over the page-table path; both
 //! switches are process-wide, so this file holds one test that runs its checks in turn.
 #![allow(clippy::unwrap_used)]
@@ -13,7 +15,8 @@ use burn::tensor::{Tensor, TensorData};
 use common::{copy_model, edit_config, golden, heldout_prompts, models, prompts};
 use dspark::{
     BatchStats, DSparkDraft, DeviceTokens, DraftCacheConfig, Engine, EngineConfig, Error, Generation,
-    KvCache, LoadOptions, LogitRows, PagedKvCache, Qwen3, Request, SamplingParams, SeqChunk, VerifyPolicy,
+    KvCache, LoadOptions, LogitRows, PagedKvCache, ProposeLane, Qwen3, Request, SamplingParams, SeqChunk,
+    Speculator, VerifyPolicy,
 };
 
 /// Generate `requests` (one batch) with a draft, one-sync rounds on or off.
@@ -183,6 +186,40 @@ fn one_sync_rounds_change_no_token_and_no_round() {
         .unwrap_err();
     assert!(matches!(err, Error::InvalidInput(_)), "values not [k, 1]: {err}");
     assert_eq!(kv.len(seq).unwrap(), 0, "a refused forward reserves nothing");
+
+    // 5. The engine extends a lane's draft context by its whole window before the verdicts and
+    //    cuts the rejected rows after: a context cut back proposes exactly what a context
+    //    extended by the kept rows alone does, recorded (emulated) and op by op.
+    let t = Qwen3::load(&pair_t, LoadOptions::default()).unwrap();
+    for recorded in [true, false] {
+        dspark_kernels::set_graph_emulation(recorded);
+        let mut d =
+            DSparkDraft::load(&pair_d, &t, LoadOptions::default(), &DraftCacheConfig::default()).unwrap();
+        assert!(d.set_device_markov(true) && d.can_truncate_context());
+        let width = d.feature_layers().len() * t.config().hidden_size;
+        let values: Vec<f32> = (0..9 * width).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        let features = Tensor::<2>::from_data(TensorData::new(values, [9, width]), t.device());
+        let params = SamplingParams::greedy(8);
+        let mut proposals = Vec::new();
+        // Twice each: the second extension and round of a shape are the recorded ones.
+        for _ in 0..2 {
+            let (cut, kept) = (d.begin(), d.begin());
+            d.extend_contexts(&[(cut, features.clone()), (kept, features.clone().narrow(0, 0, 5))]).unwrap();
+            d.truncate_context(cut, 5).unwrap();
+            assert_eq!(d.context_len(cut).unwrap(), 5);
+            let err = d.truncate_context(cut, 6).unwrap_err();
+            assert!(matches!(err, Error::InvalidInput(_)), "a cut past the context: {err}");
+            for seq in [cut, kept] {
+                let lane = ProposeLane { seq, anchor: 17, params: &params };
+                let p = d.propose(&[lane]).unwrap().remove(0);
+                proposals.push((p.tokens, p.confidence));
+                d.end(seq).unwrap();
+            }
+        }
+        for pair in proposals.chunks(2) {
+            assert_eq!(pair[0], pair[1], "a cut context proposes otherwise (recorded: {recorded})");
+        }
+    }
 
     dspark_kernels::set_graph_emulation(false);
     dspark_kernels::set_paged_reference(false);

@@ -235,6 +235,8 @@ impl Engine {
         // Each lane's committed length: its window's anchor position.
         let positions: Vec<usize> =
             self.running.iter().map(|l| self.cache.len(l.seq)).collect::<Result<_>>()?;
+        // Set when the draft's contexts already hold every lane's whole window (see below).
+        let mut extended_ahead = false;
         let (proposals, counts, windows, output, logits, argmax_ids, device_verdicts, host_logits) =
             if let Some(deferred) = deferred {
                 let m = fixed_width.unwrap_or(gamma);
@@ -257,6 +259,23 @@ impl Engine {
                 let tokens = DeviceTokens { values: &deferred.tokens, rows: &slots };
                 let output = self.target.forward_device_tokens(&chunks, tokens, &layers, &mut self.cache)?;
                 self.stats.forward_passes += 1;
+                // The draft's context takes each lane's whole window now, queued behind the
+                // verify, so no extension waits for the host after the read; the rows of the
+                // drafts the verdicts reject are cut afterwards. Each row's K/V is the same
+                // whatever the rows beside it, so the kept rows equal a later extension's.
+                if draft.can_truncate_context() {
+                    let features = output
+                        .features
+                        .clone()
+                        .ok_or_else(|| Error::Backend("no features captured".into()))?;
+                    let items: Vec<(SeqId, Tensor<2>)> = lanes
+                        .iter()
+                        .zip(&output.rows)
+                        .map(|(lane, rows)| (lane.seq, features.clone().narrow(0, rows.start, m + 1)))
+                        .collect();
+                    draft.extend_contexts(&items)?;
+                    extended_ahead = true;
+                }
                 let logits_t = output.logits.clone().ok_or_else(|| Error::Backend("no logits".into()))?;
                 // One read: the draft's values, the target's argmax (greedy lanes), the verdict
                 // pairs of the sampled lanes (accepted, bonus), decided on the device.
@@ -428,12 +447,21 @@ impl Engine {
             self.cache.truncate(seq, position + a + 1)?;
             let lane_rows = output.rows[i].clone();
             let dseq = draft_seq.ok_or_else(|| Error::Backend("lane without a draft sequence".into()))?;
-            extend.push((dseq, features.clone().narrow(0, lane_rows.start, a + 1)));
+            if !extended_ahead {
+                extend.push((dseq, features.clone().narrow(0, lane_rows.start, a + 1)));
+            }
             committed.push((seq, dseq, position + a + 1));
         }
-        // 7. every continuing lane's committed rows into the draft's context, in one call.
+        // 7. every continuing lane's committed rows into the draft's context, in one call (or,
+        // extended ahead, the rejected drafts' rows cut).
         let d = self.draft.as_mut().ok_or_else(|| Error::Backend("draft vanished".into()))?;
-        d.extend_contexts(&extend)?;
+        if extended_ahead {
+            for &(_, dseq, len) in &committed {
+                d.truncate_context(dseq, len)?;
+            }
+        } else {
+            d.extend_contexts(&extend)?;
+        }
         for (seq, dseq, len) in committed {
             self.check_lengths(seq, dseq, len)?;
         }

@@ -1401,6 +1401,14 @@ impl Speculator for DSparkDraft {
         Some(self.cache.pool_state())
     }
 
+    fn can_truncate_context(&self) -> bool {
+        true
+    }
+
+    fn truncate_context(&mut self, seq: SeqId, len: usize) -> Result<()> {
+        self.cache.truncate(seq, len)
+    }
+
     fn end(&mut self, seq: SeqId) -> Result<()> {
         self.cache.free(seq)
     }
