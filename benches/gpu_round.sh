@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device calls for one-sync rounds (the verify queued behind the draft round, reading its drafts
-# on the device) and the round after the FP8 W2 block-count change (issues 4 and 8). Expects
+# on the device, and the draft's context extended by the whole window behind it) and the round
+# after the FP8 W2 block-count change (issues 4 and 8). Expects
 # prebuilt binaries, xz-compressed, in out/carry: bench-draft, bench-target, bench-kernels, and
 # the gpu_kernels and gpu_golden test binaries, built with
 #   CUDARC_CUDA_VERSION=13000 cargo build --release --features cuda -p dspark-benches \
@@ -9,7 +10,7 @@
 #          recorded = op by op, FP8 drafts, the trained pair; the skinny GEMM tests with the
 #          chosen W2 block counts (2 for bf16, 1 for FP8).
 #   bench: draft rounds (bf16 and FP8 + FP8 head, γ = 7c and 16, context 512) with the two-read
-#          and one-read propose + verify pairs; the target step at 1 and 16 lanes with 8- and
+#          propose + verify pair and the one-read round; the target step at 1 and 16 lanes with 8- and
 #          16-row windows; the W2 products by block count; an ncu listing of one FP8 proposal.
 # Usage: benches/gpu_round.sh check|bench
 set -uo pipefail
