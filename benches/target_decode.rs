@@ -47,6 +47,15 @@ struct Args {
     /// 2 for 9–32 rows of wide weights), or `1` everywhere (for an A/B of that choice).
     #[arg(long, default_value = "auto", value_parser = ["auto", "1"])]
     mtiles: String,
+    /// Chunks each warp of the skinny GEMMs keeps in flight for 17–32 rows: `auto` (the
+    /// library's choice, 2 before the division by the cube's weight blocks), or 1, 2, 4 or 8
+    /// (for an A/B).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "1", "2", "4", "8"])]
+    unroll_wide: String,
+    /// Launch the bf16 products of 17–24 rows as four activation tiles (`on`) or three (`off`,
+    /// the library's default), for an A/B.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    pad_tiles: String,
     /// Verify-window widths to time at one lane (rows per forward, logits for every row), each
     /// beside the one-row step of the same run; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "8,16")]
@@ -96,6 +105,8 @@ fn main() -> dspark::Result<()> {
     let args = Args::parse();
     dspark_kernels::set_kernels_enabled(args.kernels == "on");
     dspark_kernels::force_mtiles((args.mtiles == "1").then_some(1));
+    dspark_kernels::force_unroll_wide(args.unroll_wide.parse().ok());
+    dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_tensor_core_attention(args.attention == "tc");
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
@@ -248,7 +259,8 @@ fn verify_windows(
 }
 
 /// The kernels column: `on`, `on (1 block)` when the GEMM's blocks per cube are forced to 1,
-/// `on (warp attention)` with the warp-per-row attention kernel, or `off`.
+/// `on (warp attention)` with the warp-per-row attention kernel, `on (unroll N at 17-32 rows)`
+/// with a forced wide unroll, `on (4 tiles at 17-24 rows)` with the tile padding, or `off`.
 fn kernels_label(args: &Args) -> String {
     let mut label = args.kernels.clone();
     if args.kernels == "on" && args.mtiles == "1" {
@@ -256,6 +268,12 @@ fn kernels_label(args: &Args) -> String {
     }
     if args.kernels == "on" && args.attention == "warp" {
         label += " (warp attention)";
+    }
+    if args.kernels == "on" && args.pad_tiles == "on" {
+        label += " (4 tiles at 17-24 rows)";
+    }
+    if args.kernels == "on" && args.unroll_wide != "auto" {
+        label += &format!(" (unroll {} at 17-32 rows)", args.unroll_wide);
     }
     label
 }

@@ -32,12 +32,19 @@ impl GemmPlan {
 
     /// Chunks each warp loads before it multiplies, for `tiles` activation tiles of 8 rows:
     /// `depth` for one tile, at most 4 for two, 2 beyond (registers hold the loads; measured on
-    /// the H200, two in flight beat one for 5–8 tiles). It changes when loads are issued, never
-    /// the order of the sums, so it may follow the number of rows.
+    /// the H200, two in flight beat one for 5–8 tiles). For three and four tiles, where the
+    /// cubes of wide weights take two blocks (see [`Self::unroll_with`]), a cap of 4 was tried
+    /// too and lost on the H100 (2026-12-05, `bench-target --windows 17,24,32 --unroll-wide
+    /// 4|2`: 8.42 / 8.43 / 7.68 ms against 8.12 / 8.11 / 7.66); [`force_unroll_wide`] sets it
+    /// for such A/Bs. It changes when loads are issued, never the order of the sums, so it may
+    /// follow the number of rows.
     pub fn unroll(self, tiles: usize) -> usize {
         match tiles {
             0 | 1 => self.depth,
             2 => self.depth.min(4),
+            3 | 4 => {
+                self.depth.min(FORCED_UNROLL_WIDE.lock().unwrap_or_else(|e| e.into_inner()).unwrap_or(2))
+            }
             _ => self.depth.min(2),
         }
     }
@@ -128,6 +135,20 @@ pub fn force_mtiles(mtiles: Option<usize>) {
     *FORCED_MTILES.lock().unwrap_or_else(|e| e.into_inner()) = mtiles;
 }
 
+/// Chunks in flight per warp for three and four activation tiles, forced; `None` for the choice
+/// of [`GemmPlan::unroll`].
+static FORCED_UNROLL_WIDE: Mutex<Option<usize>> = Mutex::new(None);
+
+/// Forces the chunks each warp keeps in flight for 17–32 rows (three and four activation tiles;
+/// 1, 2, 4 or 8, capped by the plan's depth; the choice is 2), or with `None` goes back to the choice of
+/// [`GemmPlan::unroll`]. Numerically neutral (the order of the sums does not change): for
+/// benchmarks.
+#[doc(hidden)]
+pub fn force_unroll_wide(chunks: Option<usize>) {
+    *FORCED_UNROLL_WIDE.lock().unwrap_or_else(|e| e.into_inner()) =
+        chunks.filter(|c| matches!(c, 1 | 2 | 4 | 8));
+}
+
 impl std::str::FromStr for GemmPlan {
     type Err = String;
 
@@ -206,6 +227,14 @@ fn chosen(weights: Weights, chunks: usize, out: usize) -> GemmPlan {
 mod tests {
     use super::*;
 
+    /// Held by the tests that force the wide unroll or read it: the force is process-wide and
+    /// tests run on parallel threads.
+    static UNROLL_LOCK: Mutex<()> = Mutex::new(());
+
+    fn unroll_lock() -> std::sync::MutexGuard<'static, ()> {
+        UNROLL_LOCK.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     #[test]
     fn chosen_plans_fit_every_model_shape() {
         // Qwen3 / DSpark widths (bf16 chunks of 32, FP8 of 64) and the tiny models'.
@@ -227,13 +256,28 @@ mod tests {
 
     #[test]
     fn plans_parse_and_unroll() {
+        let _lock = unroll_lock();
         let p: GemmPlan = "4x8".parse().expect("a valid plan");
         assert_eq!(p, GemmPlan { splits: 4, depth: 8 });
         assert_eq!(p.to_string(), "4x8");
-        assert_eq!((p.unroll(1), p.unroll(2), p.unroll(4), p.unroll(8)), (8, 4, 2, 2));
+        assert_eq!([1, 2, 3, 4, 5, 8].map(|t| p.unroll(t)), [8, 4, 2, 2, 2, 2]);
         assert!("3x8".parse::<GemmPlan>().is_err());
         assert!("4".parse::<GemmPlan>().is_err());
         assert!(p.fits(128) && !p.fits(24) && !GemmPlan { splits: 8, depth: 4 }.fits(56));
+    }
+
+    #[test]
+    fn a_forced_wide_unroll_applies_to_three_and_four_tiles_only() {
+        let _lock = unroll_lock();
+        let p = GemmPlan { splits: 1, depth: 8 };
+        force_unroll_wide(Some(4));
+        let forced = [1, 2, 3, 4, 5].map(|t| p.unroll(t));
+        force_unroll_wide(Some(3));
+        let refused = p.unroll(3);
+        force_unroll_wide(None);
+        assert_eq!(forced, [8, 4, 4, 4, 2]);
+        assert_eq!(refused, 2, "a count other than 1, 2, 4 or 8 leaves the choice");
+        assert_eq!(p.unroll(3), 2);
     }
 
     #[test]
@@ -248,6 +292,7 @@ mod tests {
 
     #[test]
     fn blocks_per_cube_follow_the_tiles_and_the_reduction_length() {
+        let _lock = unroll_lock();
         let p = |inp: usize, out: usize| chosen(Weights::Bf16, inp / 32, out);
         // o (cut in 2), fused qkv, gate+up, LM head: 2 blocks for 17–32 rows.
         for (inp, out) in [(4096, 4096), (4096, 6144), (4096, 24576), (4096, 151_936), (12288, 4096)] {

@@ -22,6 +22,7 @@ use burn::tensor::{Int, Tensor};
 static KERNELS: AtomicBool = AtomicBool::new(true);
 static PAGED_REFERENCE: AtomicBool = AtomicBool::new(false);
 static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
+static TILE_PADDING: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -44,6 +45,22 @@ pub fn set_tensor_core_attention(enabled: bool) {
     TENSOR_CORE_ATTENTION.store(enabled, Ordering::Relaxed);
 }
 
+/// Launch the bf16 skinny GEMM's products of 17–24 rows with four activation tiles of 8 rows
+/// instead of three. Off by default until measured on a GPU: a forward of 32 rows (four tiles)
+/// took less time than one of 17 or 24 (three) on the H100, so the padding should help a γ = 16
+/// verify window; no bit should change, since a row's sums do not depend on the tiles beside
+/// it. `benches/gpu_tiles.sh` checks and times both. For A/B benchmarks; process-wide.
+#[doc(hidden)]
+pub fn set_tile_padding(enabled: bool) {
+    TILE_PADDING.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether products of 17–24 rows run as four tiles (see [`set_tile_padding`]).
+#[doc(hidden)]
+pub fn tile_padding() -> bool {
+    TILE_PADDING.load(Ordering::Relaxed)
+}
+
 /// Whether [`paged_attention`] uses tensor cores (see [`set_tensor_core_attention`]).
 pub fn tensor_core_attention() -> bool {
     TENSOR_CORE_ATTENTION.load(Ordering::Relaxed)
@@ -55,7 +72,7 @@ pub fn kernels_enabled() -> bool {
 }
 
 pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm};
-pub use gemm_plan::{GemmPlan, force_mtiles, force_plan};
+pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide};
 pub use graph::{
     DeviceGraph, GraphError, InputBuffer, graph_emulation, graphs_available, set_graph_emulation,
     set_graphs_enabled, write_floats_into, write_into,

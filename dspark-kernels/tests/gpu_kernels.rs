@@ -118,15 +118,20 @@ fn skinny_gemm_matches_reference_at_lm_head_width() {
 fn skinny_gemm_is_batch_invariant() {
     let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let device = cuda();
-    // 4096 -> 6144 (the fused q/k/v) takes two weight blocks per cube for 9–32 rows.
-    for &(inp, out) in &[(4096, 1024), (256, 768), (4096, 6144)] {
+    // 4096 -> 6144 (the fused q/k/v) takes two weight blocks per cube for 9–32 rows. With the
+    // tile padding on, the calls of 17–24 rows run four activation tiles instead of three.
+    for (padding, &(inp, out)) in [false, true]
+        .into_iter()
+        .flat_map(|p| [(4096, 1024), (256, 768), (4096, 6144)].iter().map(move |shape| (p, shape)))
+    {
+        dspark_kernels::set_tile_padding(padding);
         let w = random(out, inp, 0.02, &device);
         let x = random(130, inp, 1.0, &device);
         let all = dspark_kernels::linear(x.clone(), &w).into_data();
         let all = all.as_bytes();
         let row_bytes = out * 2;
         // A row alone, a verify window, a batch of lanes: bit-identical rows.
-        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (90, 32), (64, 66)] {
+        for (start, len) in [(0, 1), (5, 1), (129, 1), (3, 9), (60, 17), (40, 24), (90, 32), (64, 66)] {
             let part = dspark_kernels::linear(x.clone().narrow(0, start, len), &w).into_data();
             assert_eq!(
                 part.as_bytes(),
@@ -135,8 +140,11 @@ fn skinny_gemm_is_batch_invariant() {
                 start + len
             );
         }
-        println!("skinny_gemm in={inp} out={out}: rows bit-identical alone, in windows and in batches");
+        println!(
+            "skinny_gemm in={inp} out={out}, tile padding {padding}: rows bit-identical alone, in windows and in batches"
+        );
     }
+    dspark_kernels::set_tile_padding(false);
 }
 
 #[test]
