@@ -140,9 +140,9 @@ pub fn force_mtiles(mtiles: Option<usize>) {
 static FORCED_UNROLL_WIDE: Mutex<Option<usize>> = Mutex::new(None);
 
 /// Forces the chunks each warp keeps in flight for 17–32 rows (three and four activation tiles;
-/// 1, 2, 4 or 8, capped by the plan's depth; the choice is 2), or with `None` goes back to the choice of
-/// [`GemmPlan::unroll`]. Numerically neutral (the order of the sums does not change): for
-/// benchmarks.
+/// 1, 2, 4 or 8, capped by the plan's depth; the choice is 2), or with `None` goes back to the
+/// choice of [`GemmPlan::unroll`]. Numerically neutral (the order of the sums does not change):
+/// for benchmarks.
 #[doc(hidden)]
 pub fn force_unroll_wide(chunks: Option<usize>) {
     *FORCED_UNROLL_WIDE.lock().unwrap_or_else(|e| e.into_inner()) =

@@ -561,8 +561,6 @@ pub(crate) struct GemmVariant {
     mtiles: usize,
 }
 
-/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`]) launches for `8·tiles`
-/// rows or fewer (one launch) of an `[out, in]` weight.
 /// Activation tiles of 8 rows one launch of `rows` rows (at most [`MAX_ROWS`]) runs:
 /// `rows / 8` rounded up, and, with [`crate::set_tile_padding`] on, three taken as four. On the
 /// H100 (2026-12-05, `bench-target --windows 16,17,24,32`) a whole Qwen3-8B forward of 17 or
@@ -578,6 +576,8 @@ pub(crate) fn launch_tiles(rows: usize) -> usize {
     }
 }
 
+/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`]) launches for `8·tiles`
+/// rows or fewer (one launch) of an `[out, in]` weight.
 pub(crate) fn gemm_variant(tiles: usize, inp: usize, out: usize, swiglu: bool) -> GemmVariant {
     let plan = plan(Weights::Bf16, inp / 32, out);
     let mtiles = plan.mtiles(tiles, out, inp / 32);

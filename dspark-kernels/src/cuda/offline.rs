@@ -275,8 +275,7 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
         let mut norm_splits = std::collections::BTreeSet::from([0usize]);
         for [out, inp] in m.products() {
             let bf16_splits = plan(Weights::Bf16, inp / 32, out).splits;
-            // The tiles launches run (three rows' tiles are launched as four).
-            for tiles in (1..=8).map(|t| super::gemm::launch_tiles(8 * t)) {
+            for tiles in 1..=8 {
                 all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, false)));
                 // As `linear_swiglu` decides (the shape is one `products` kept).
                 if super::gemm::swiglu_plan_fits(inp, out) {
