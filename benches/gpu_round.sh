@@ -12,7 +12,9 @@
 #   bench: draft rounds (bf16 and FP8 + FP8 head, γ = 7c and 16, context 512) with the two-read
 #          propose + verify pair and the one-read round; the target step at 1 and 16 lanes with 8- and
 #          16-row windows; the W2 products by block count; an ncu listing of one FP8 proposal.
-# Usage: benches/gpu_round.sh check|bench
+#   repeat: the γ = 7c one-read rounds again, bf16 and FP8 + FP8 head, 30 repetitions, in both
+#          orders of the weights (one process each), to tell noise from a cost of the bf16 round.
+# Usage: benches/gpu_round.sh check|bench|repeat
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -38,5 +40,12 @@ bench)
         --rows 1,8,16 > "$OUT/plans-w2-round.md" 2> "$OUT/plans-w2-round.log"
     echo "W2 exit $?"; grep "^| markov" "$OUT/plans-w2-round.md"
     ncu_fp8h_propose ncu-fp8h-round.csv
+    ;;
+repeat)
+    for order in bf16,fp8h fp8h,bf16; do
+        timeout 150 out/bin/bench-draft --layouts 7c --weights "$order" --reps 30 --context 512 \
+            > "$OUT/bench_draft-repeat-${order/,/-}.md" 2> "$OUT/bench_draft-repeat-${order/,/-}.log"
+        echo "bench-draft $order exit $?"; grep "| cuda" "$OUT/bench_draft-repeat-${order/,/-}.md" | cut -d'|' -f4,6,9-13,20-
+    done
     ;;
 esac
