@@ -294,6 +294,29 @@ pub fn write_floats_into(dst: Tensor<1>, src: Tensor<1>) -> Tensor<1> {
     dst.slice_assign(0..n, src.narrow(0, 0, n))
 }
 
+/// Elements a section of a recorded forward's integer inputs should start at a multiple of, so
+/// that [`int_view`] shares the buffer instead of copying (512 bytes, the CUDA runtime's
+/// alignment of buffer offsets, for 4-byte elements; 8-byte ones are then aligned too).
+pub const INT_VIEW_ALIGN: usize = 128;
+
+/// `x[offset .. offset + len]` of a 1-D integer tensor. On CUDA with [`crate::set_int_views`] on,
+/// where `offset` is a multiple of [`INT_VIEW_ALIGN`] elements, the result is a view of `x`'s
+/// buffer: no launch, so a recorded forward that takes its inputs as views of one buffer holds
+/// no copy kernels (burn's slice copies unless the view's end is aligned as well). Elsewhere it
+/// is [`Tensor::narrow`].
+///
+/// # Panics
+/// When the range runs past `x`, as [`Tensor::narrow`] does.
+pub fn int_view(x: Tensor<1, Int>, offset: usize, len: usize) -> Tensor<1, Int> {
+    let n = x.dims()[0];
+    assert!(offset <= n && len <= n - offset, "int_view: {offset}+{len} of {n}");
+    #[cfg(feature = "cuda")]
+    if crate::kernels_available(&x.device()) && crate::int_views() && len > 0 {
+        return crate::cuda::copy::int_view(x, offset, len);
+    }
+    x.narrow(0, offset, len)
+}
+
 /// A copy of `x` in a buffer of its own: a graph's outputs are overwritten by its next replay,
 /// so what a forward hands out is copied first. Off CUDA (where nothing is replayed) `x` itself.
 pub fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
@@ -317,7 +340,7 @@ pub fn fresh_copy<const D: usize>(x: Tensor<D>) -> Tensor<D> {
 /// Ordering: the copy is ordered after every launch already submitted to the stream, but not
 /// after work still queued in burn's fusion queue. Work that reads this buffer must therefore
 /// have been submitted (a replay, or a synced warm-up) before the next write; a recorded
-/// forward's replay is. A recorded body takes its views of the buffer ([`Tensor::narrow`])
+/// forward's replay is. A recorded body takes its views of the buffer ([`int_view`])
 /// inside the body, so that the graph reads the buffer itself.
 pub struct InputBuffer {
     tensor: Tensor<1, Int>,

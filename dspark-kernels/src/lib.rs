@@ -23,6 +23,7 @@ static KERNELS: AtomicBool = AtomicBool::new(true);
 static PAGED_REFERENCE: AtomicBool = AtomicBool::new(false);
 static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
 static TILE_PADDING: AtomicBool = AtomicBool::new(false);
+static INT_VIEWS: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -46,13 +47,32 @@ pub fn set_tensor_core_attention(enabled: bool) {
 }
 
 /// Launch the bf16 skinny GEMM's products of 17–24 rows with four activation tiles of 8 rows
-/// instead of three. Off by default until measured on a GPU: a forward of 32 rows (four tiles)
-/// took less time than one of 17 or 24 (three) on the H100, so the padding should help a γ = 16
-/// verify window; no bit should change, since a row's sums do not depend on the tiles beside
-/// it. `benches/gpu_tiles.sh` checks and times both. For A/B benchmarks; process-wide.
+/// instead of three. On the H100 a Qwen3-8B forward of 17 rows (a γ = 16 verify window) took
+/// 7.36 ms padded against 8.15 ms unpadded, and one of 24 rows 7.39 against 8.38
+/// (`benches/results/2026-12-05-h100-tiles.md`). No bit should change, since a row's sums do not
+/// depend on the tiles beside it, but the bit check on a GPU (`skinny_gemm_is_batch_invariant`
+/// with the padding on, and the 8B-shaped engine with it as the default: `gpu_tiles.sh check`)
+/// has not run yet, so it stays off by default. For A/B benchmarks; process-wide.
 #[doc(hidden)]
 pub fn set_tile_padding(enabled: bool) {
     TILE_PADDING.store(enabled, Ordering::Relaxed);
+}
+
+/// Let [`int_view`] on CUDA share its tensor's buffer where the view starts aligned, instead of
+/// copying through burn's slice (which copies unless the view's end is aligned as well). A
+/// recorded forward takes its inputs as views of one buffer: 4–5 copy launches of about 3 µs
+/// each per target step and per draft round on the H100 (`ncu`), none with the views. Off by
+/// default until checked on a GPU (`gpu_tiles.sh check`, the recorded forwards against op by
+/// op at 8B shapes, with it on by default). For A/B benchmarks; process-wide.
+#[doc(hidden)]
+pub fn set_int_views(enabled: bool) {
+    INT_VIEWS.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`int_view`] shares buffers (see [`set_int_views`]).
+#[doc(hidden)]
+pub fn int_views() -> bool {
+    INT_VIEWS.load(Ordering::Relaxed)
 }
 
 /// Whether products of 17–24 rows run as four tiles (see [`set_tile_padding`]).
@@ -74,8 +94,8 @@ pub fn kernels_enabled() -> bool {
 pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm};
 pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide};
 pub use graph::{
-    DeviceGraph, GraphError, InputBuffer, graph_emulation, graphs_available, set_graph_emulation,
-    set_graphs_enabled, write_floats_into, write_into,
+    DeviceGraph, GraphError, INT_VIEW_ALIGN, InputBuffer, graph_emulation, graphs_available, int_view,
+    set_graph_emulation, set_graphs_enabled, write_floats_into, write_into,
 };
 pub use reference::{AttentionMask, apply_rope, attention, rms_norm, swiglu};
 

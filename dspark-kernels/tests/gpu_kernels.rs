@@ -144,6 +144,7 @@ fn skinny_gemm_is_batch_invariant() {
             "skinny_gemm in={inp} out={out}, tile padding {padding}: rows bit-identical alone, in windows and in batches"
         );
     }
+    // Back to the library's default.
     dspark_kernels::set_tile_padding(false);
 }
 
@@ -1632,4 +1633,39 @@ fn argmax_sum_rows_matches_reference() {
         }
         println!("argmax_sum_rows {rows} x {steps} x {width}: equal to the widened sum's argmax");
     }
+}
+
+#[test]
+fn int_views_read_their_buffer() {
+    // `int_view` with the views on: an aligned start shares the buffer (a later in-place write
+    // shows through the view, as a recorded forward's replays need), an unaligned one is a copy;
+    // both read the right values. With the views off, every view is a copy.
+    use burn::tensor::{Int, TensorData};
+    let device = cuda();
+    let n = 4 * dspark_kernels::INT_VIEW_ALIGN;
+    let ints = |values: Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(values, [n]), &device);
+    let read = |t: Tensor<1, Int>| t.into_data().convert::<i64>().try_into_vec::<i64>().unwrap();
+    for views in [true, false] {
+        dspark_kernels::set_int_views(views);
+        let buffer = ints((0..n as i64).map(|i| 3 * i + 1).collect());
+        let align = dspark_kernels::INT_VIEW_ALIGN;
+        let cases = [(0, 5), (align, 7), (2 * align, align + 3), (3, 9), (align + 1, 2)];
+        let taken: Vec<Tensor<1, Int>> =
+            cases.iter().map(|&(at, len)| dspark_kernels::int_view(buffer.clone(), at, len)).collect();
+        for (&(at, len), view) in cases.iter().zip(&taken) {
+            let want: Vec<i64> = (at..at + len).map(|i| 3 * i as i64 + 1).collect();
+            assert_eq!(read(view.clone()), want, "views {views}: {at}+{len} before the write");
+        }
+        // New values in the buffer itself (a recorded forward's input refresh).
+        let buffer = dspark_kernels::write_into(buffer, ints((0..n as i64).map(|i| -i).collect()));
+        let _ = read(buffer.clone());
+        for (&(at, len), view) in cases.iter().zip(taken) {
+            let shared = views && at % align == 0;
+            let want: Vec<i64> =
+                (at..at + len).map(|i| if shared { -(i as i64) } else { 3 * i as i64 + 1 }).collect();
+            assert_eq!(read(view), want, "views {views}: {at}+{len} after the write (shared: {shared})");
+        }
+        println!("int_view, views {views}: aligned views share the buffer, the others copy");
+    }
+    dspark_kernels::set_int_views(false);
 }

@@ -17,6 +17,23 @@ use dspark::{
 
 const CUDA: DeviceKind = DeviceKind::Cuda(0);
 
+/// Turn on the staged kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated:
+/// `pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` for
+/// `dspark_kernels::set_int_views`), so that one build checks a switch before it becomes the
+/// default (`benches/gpu_tiles.sh check`). Unset: the library's defaults. An unknown name fails
+/// the test rather than being ignored.
+fn staged_switches() {
+    let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
+    for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+        match name {
+            "pad-tiles" => dspark_kernels::set_tile_padding(true),
+            "int-views" => dspark_kernels::set_int_views(true),
+            other => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),
+        }
+        println!("staged switch on: {name}");
+    }
+}
+
 #[test]
 fn cuda_f32_prefill_matches_golden() {
     // burn 0.22's CUDA matmul runs f32 through TF32 tensor cores (10-bit mantissa), measured
@@ -270,6 +287,7 @@ fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
     // for bit, and `score` sees exactly the log-probabilities of generation.
     use dspark::{KvCache, PagedKvCache, TargetBinding};
 
+    staged_switches();
     let config = qwen3_8b();
     // The same weights for both engines: the device generator reseeded before each build.
     let target = || {
@@ -484,6 +502,7 @@ fn cuda_bf16_qwen3_8b_shapes_recorded_forwards_equal_op_by_op() {
     // same rounds) and the same output. Graphs are process-wide; run with --test-threads=1.
     use dspark::{KvCache, PagedKvCache, TargetBinding};
 
+    staged_switches();
     let config = qwen3_8b();
     let target = || {
         CUDA.device().unwrap().seed(8);

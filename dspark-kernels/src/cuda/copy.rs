@@ -131,6 +131,47 @@ pub(crate) fn write_into(dst: Tensor<1, Int>, src: Tensor<1, Int>) -> Tensor<1, 
     Tensor::from_dispatch(<Dispatch as WriteIntoOps>::write_into(dst.into_dispatch(), src.into_dispatch()))
 }
 
+fn view_shape(len: usize) -> burn::tensor::Shape {
+    [len].into()
+}
+
+/// The backend extension for a view of part of a 1-D integer tensor.
+#[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
+pub trait IntViewOps: burn::backend::Backend {
+    /// `x[offset .. offset + len]`, sharing `x`'s buffer where the start is aligned.
+    #[fusion(dtype = x, shape = view_shape(*len))]
+    fn int_view(
+        x: burn::backend::tensor::IntTensor<Self>,
+        offset: usize,
+        len: usize,
+    ) -> burn::backend::tensor::IntTensor<Self>;
+}
+
+impl IntViewOps for CubeBackend {
+    fn int_view(x: CubeTensor, offset: usize, len: usize) -> CubeTensor {
+        let start = (offset * x.dtype.size()) as u64;
+        let aligned = start.is_multiple_of(x.client.properties().memory.alignment);
+        if x.meta.shape().num_dims() == 1 && x.meta.strides()[0] == 1 && aligned {
+            // The view's buffer runs on past its `len` elements (to the end of `x`'s): kernels
+            // read the shape, and the start keeps the alignment vector loads need. burn's slice
+            // would copy here unless the end were aligned too.
+            return CubeTensor::new_contiguous(
+                x.client.clone(),
+                x.device.clone(),
+                [len].into(),
+                x.handle.clone().offset_start(start),
+                x.dtype,
+            );
+        }
+        burn_cubecl::kernel::slice(x, std::slice::from_ref(&(offset..offset + len)))
+    }
+}
+
+/// See [`crate::graph::int_view`]; the caller checked the range.
+pub(crate) fn int_view(x: Tensor<1, Int>, offset: usize, len: usize) -> Tensor<1, Int> {
+    Tensor::from_dispatch(<Dispatch as IntViewOps>::int_view(x.into_dispatch(), offset, len))
+}
+
 /// Device buffers resolved by [`ResolveOps::resolve_buffer`], by the key the caller chose.
 static RESOLVED: std::sync::Mutex<Vec<(usize, cubecl::client::Client, cubecl::server::Handle)>> =
     std::sync::Mutex::new(Vec::new());

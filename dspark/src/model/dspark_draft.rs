@@ -915,11 +915,18 @@ impl DSparkDraft {
                 host.meta.extend([first, (context + gamma) as i32]);
             }
         }
+        // Sections of `stride` values (aligned starts: the body's views share the buffer):
+        // block ids, positions, K/V rows, anchors (lanes ≤ n), draw words.
+        let stride = super::graphs::int_section(n);
+        host.ints.resize(stride, 0);
         host.ints.extend(positions);
+        host.ints.resize(2 * stride, 0);
         host.ints.extend(new_rows);
+        host.ints.resize(3 * stride, 0);
         host.ints.extend(lanes.iter().map(|l| i64::from(l.anchor)));
         if sampling {
             let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
+            host.ints.resize(4 * stride, 0);
             host.ints.extend(super::markov_device::draw_words(&params, &contexts, gamma));
         }
         let with_hidden = self.confidence.is_some();
@@ -939,9 +946,9 @@ impl DSparkDraft {
         drop(prepare);
         // 2. the round on the device: inputs in place, one replay.
         let ran = self.graphs.run(&self.device, id, pool_rows, key, host, |inputs| {
-            let at = inputs.ints(n, n);
+            let at = inputs.ints(stride, n);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
-            let plan = inputs.plan(n, 2 * n, gamma);
+            let plan = inputs.plan(n, 2 * stride, gamma);
             let mut xh = stack_input(layers, norm, embed.clone().select(0, inputs.ints(0, n)), eps);
             for (l, layer) in layers.iter().enumerate() {
                 xh =
@@ -955,9 +962,9 @@ impl DSparkDraft {
             let Some(markov) = markov else {
                 return Err(Error::InvalidInput("the recorded round needs the device Markov pass".into()));
             };
-            let anchors = inputs.ints(3 * n, lane_count);
+            let anchors = inputs.ints(3 * stride, lane_count);
             let (tokens, rows) = if sampling {
-                let draws = inputs.ints(3 * n + lane_count, 3 * n);
+                let draws = inputs.ints(4 * stride, 3 * n);
                 let (tokens, rows) = markov.sampled(anchors, logits, gamma, draws);
                 (tokens, Some(rows))
             } else {
@@ -1051,10 +1058,12 @@ impl DSparkDraft {
             None => (n, 0),
         };
         let mut host = HostInputs { floats: Some(features.clone()), ..HostInputs::default() };
+        // Two sections (aligned starts: the body's views share the buffer): positions, K/V rows.
+        let stride = super::graphs::int_section(rows);
         host.ints.extend(positions.iter().map(|&p| p as i64));
-        host.ints.resize(rows, 0);
+        host.ints.resize(stride, 0);
         host.ints.extend_from_slice(physical);
-        host.ints.resize(2 * rows, pad_row);
+        host.ints.resize(stride + rows, pad_row);
         // Detail 0 tells extensions from rounds (whose first detail is a lane count).
         let key = ShapeKey { rows, ints: host.ints.len(), detail: vec![0, width] };
         let n = rows;
@@ -1071,7 +1080,7 @@ impl DSparkDraft {
             let c = rms_norm(fc.apply(features), hidden_norm, eps);
             let at = inputs.ints(0, n);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
-            let rows = inputs.ints(n, n);
+            let rows = inputs.ints(stride, n);
             for (l, layer) in layers.iter().enumerate() {
                 layer.write_context(l, c.clone(), (&cos, &sin), ContextRows::Physical(&rows), cache)?;
             }

@@ -26,6 +26,20 @@ use super::layer::AttnPlan;
 /// 16 lanes at γ = 7 (128 and 112 rows). Wider ones run op by op.
 pub(crate) const MAX_GRAPH_ROWS: usize = 128;
 
+/// Index-dtype inputs a recorded forward may have: up to seven sections of at most
+/// [`MAX_GRAPH_ROWS`] values, each starting at a multiple of [`dspark_kernels::INT_VIEW_ALIGN`]
+/// (see [`int_section`]).
+const INTS_CAP: usize = 8 * MAX_GRAPH_ROWS;
+
+/// The stride between the sections of a recorded forward's index-dtype inputs that hold `len`
+/// values each: `len` rounded up to [`dspark_kernels::INT_VIEW_ALIGN`], so that every section
+/// starts aligned and its view ([`DeviceInputs::ints`]) shares the input buffer instead of
+/// launching a copy (one per section and forward: 4–5 launches of about 3 µs each per target
+/// step and per draft round on the H100).
+pub(crate) fn int_section(len: usize) -> usize {
+    len.div_ceil(dspark_kernels::INT_VIEW_ALIGN) * dspark_kernels::INT_VIEW_ALIGN
+}
+
 /// The largest number of rows of a recorded forward that is not a window of query rows (a
 /// prefill chunk, a context extension). Wider ones run op by op, where launch costs are small
 /// beside the work; and they would record one graph per prompt length.
@@ -82,9 +96,10 @@ pub(crate) struct DeviceInputs {
 }
 
 impl DeviceInputs {
-    /// `len` index-dtype values from `offset`.
+    /// `len` index-dtype values from `offset`: a view of the input buffer where `offset` is a
+    /// multiple of [`dspark_kernels::INT_VIEW_ALIGN`] (see [`int_section`]), else a copy.
     pub fn ints(&self, offset: usize, len: usize) -> Tensor<1, Int> {
-        self.ints.clone().narrow(0, offset, len)
+        dspark_kernels::int_view(self.ints.clone(), offset, len)
     }
 
     /// The float input as `[rows, width]`.
@@ -97,8 +112,8 @@ impl DeviceInputs {
     /// `group` as in [`AttnPlan`].
     pub fn plan(&self, rows: usize, new_rows_offset: usize, group: usize) -> AttnPlan {
         AttnPlan {
-            keys: self.tables.clone().narrow(0, 2 * MAX_GRAPH_ROWS, self.keys_cap),
-            meta: self.tables.clone().narrow(0, 0, 2 * rows).reshape([rows, 2]),
+            keys: dspark_kernels::int_view(self.tables.clone(), 2 * MAX_GRAPH_ROWS, self.keys_cap),
+            meta: dspark_kernels::int_view(self.tables.clone(), 0, 2 * rows).reshape([rows, 2]),
             new_rows: self.ints(new_rows_offset, rows),
             group,
         }
@@ -211,7 +226,7 @@ impl Graphs {
         host: HostInputs,
         mut body: impl FnMut(&DeviceInputs) -> Result<Vec<Tensor<2>>, E>,
     ) -> Ran<E> {
-        if !recording(device) || key.rows > MAX_GRAPH_ROWS || key.ints > 4 * MAX_GRAPH_ROWS {
+        if !recording(device) || key.rows > MAX_GRAPH_ROWS || key.ints > INTS_CAP {
             return Ran::NotRecorded;
         }
         let Ok(mut guard) = self.bound.lock() else {
@@ -220,7 +235,7 @@ impl Graphs {
         if guard.as_ref().is_none_or(|b| b.cache != cache || b.keys_cap < pool_rows) {
             // New inputs and no graphs: the old graphs (and the pages they hold) go first.
             *guard = None;
-            let ints_cap = 4 * MAX_GRAPH_ROWS;
+            let ints_cap = INTS_CAP;
             let keys_cap = pool_rows;
             let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
             let (ints, tables) = crate::device::persistent(device, (), |()| {

@@ -543,21 +543,26 @@ impl Qwen3 {
         // and dropped below, so windows of 3 and 4 rows share one recorded shape.
         let all_rows = picks == real && rows > real;
         let (picks, pick) = if all_rows { (rows, &[][..]) } else { (picks, pick) };
-        let mut ints = Vec::with_capacity(3 * rows + picks);
+        // Sections of `stride` values (aligned starts: the body's views share the buffer): ids,
+        // positions, K/V rows, picked rows, device-id sources.
+        let stride = super::graphs::int_section(rows);
+        let mut ints = Vec::with_capacity(5 * stride);
         ints.extend_from_slice(tokens);
-        ints.resize(rows, 0);
+        ints.resize(stride, 0);
         ints.extend(positions.iter().map(|&p| p as i64));
-        ints.resize(2 * rows, 0);
+        ints.resize(2 * stride, 0);
         ints.extend_from_slice(&plan.new_rows);
-        ints.resize(3 * rows, pad_row);
+        ints.resize(2 * stride + rows, pad_row);
+        ints.resize(3 * stride, 0);
         let pick_rows = picks > 0 && picks < rows;
         if pick_rows {
             ints.extend_from_slice(pick);
         }
         // Rows whose ids are on the device: their sources after the other sections (padding
         // rows keep their host id).
-        let src_at = ints.len();
+        let src_at = super::graphs::int_section(ints.len());
         if let Some((_, src)) = device {
+            ints.resize(src_at, 0);
             ints.extend_from_slice(src);
             ints.resize(src_at + rows, 0);
         }
@@ -589,10 +594,10 @@ impl Qwen3 {
                 })?;
                 ids = merge_device_tokens(ids, inputs.ints(src_at, rows), values);
             }
-            let at = inputs.ints(rows, rows);
+            let at = inputs.ints(stride, rows);
             let (cos, sin) = (cos_t.clone().select(0, at.clone()), sin_t.clone().select(0, at));
-            let plan = inputs.plan(rows, 2 * rows, group);
-            let pick = pick_rows.then(|| inputs.ints(3 * rows, picks));
+            let plan = inputs.plan(rows, 2 * stride, group);
+            let pick = pick_rows.then(|| inputs.ints(3 * stride, picks));
             let (logits, features) =
                 self.body(ids, (&cos, &sin), &[], Some(&plan), capture, picks, pick, false, cache)?;
             Ok(logits.into_iter().chain(features).collect())
