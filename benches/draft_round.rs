@@ -96,6 +96,15 @@ struct Args {
     /// row and head), for an A/B of the two in one call.
     #[arg(long, default_value = "tc", value_parser = ["tc", "warp"])]
     attention: String,
+    /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
+    /// activation tiles (`on`) or three (`off`, the library's default), for an A/B
+    /// (`dspark_kernels::set_tile_padding`).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    pad_tiles: String,
+    /// Take the recorded forwards' integer inputs as views of their buffer (`on`) or as copies
+    /// (`off`, the library's default), for an A/B (`dspark_kernels::set_int_views`).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    int_views: String,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
     #[arg(long)]
@@ -233,9 +242,26 @@ fn one_read_round(
     cache.truncate(seq, len)
 }
 
+/// The A/B switches of this run as the graphs column's suffix.
+fn switches(args: &Args) -> String {
+    let mut label = String::new();
+    if args.attention == "warp" {
+        label += " (warp attention)";
+    }
+    if args.pad_tiles == "on" {
+        label += " (4 tiles at 17-24 rows)";
+    }
+    if args.int_views == "on" {
+        label += " (int views)";
+    }
+    label
+}
+
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
     dspark_kernels::set_tensor_core_attention(args.attention == "tc");
+    dspark_kernels::set_tile_padding(args.pad_tiles == "on");
+    dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {
         dspark_kernels::set_graph_emulation(true);
         dspark_kernels::set_paged_reference(true);
@@ -484,7 +510,7 @@ fn main() -> dspark::Result<()> {
                 args.device,
                 dtype,
                 if confidence { "confidence" } else { "no confidence" },
-                if args.attention == "warp" { " (warp attention)" } else { "" },
+                switches(&args),
                 draft.weight_bytes() as f64 / (1 << 20) as f64,
                 one_row * 1e3,
                 verify * 1e3,

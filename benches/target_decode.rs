@@ -56,6 +56,10 @@ struct Args {
     /// the library's default), for an A/B.
     #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     pad_tiles: String,
+    /// Take the recorded forwards' inputs as views of their buffer (`on`) or as copies (`off`,
+    /// the library's default; `dspark_kernels::set_int_views`), for an A/B.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    int_views: String,
     /// Verify-window widths to time at one lane (rows per forward, logits for every row), each
     /// beside the one-row step of the same run; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "8,16")]
@@ -107,6 +111,7 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::force_mtiles((args.mtiles == "1").then_some(1));
     dspark_kernels::force_unroll_wide(args.unroll_wide.parse().ok());
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
+    dspark_kernels::set_int_views(args.int_views == "on");
     dspark_kernels::set_tensor_core_attention(args.attention == "tc");
     let kind: DeviceKind = args.device.parse()?;
     let dtype: ComputeDtype = args.dtype.parse()?;
@@ -271,6 +276,9 @@ fn kernels_label(args: &Args) -> String {
     }
     if args.kernels == "on" && args.pad_tiles == "on" {
         label += " (4 tiles at 17-24 rows)";
+    }
+    if args.kernels == "on" && args.int_views == "on" {
+        label += " (int views)";
     }
     if args.kernels == "on" && args.unroll_wide != "auto" {
         label += &format!(" (unroll {} at 17-32 rows)", args.unroll_wide);
