@@ -105,7 +105,7 @@ impl GemmPlan {
         }
     }
 
-    /// Warps per cube for a reduction of `chunks` chunks: [`WARPS`], or one per chunk of a
+    /// Warps per cube for a reduction of `chunks` chunks: `WARPS`, or one per chunk of a
     /// cube's range when it has fewer (a warp without a chunk would only add zeros). A function
     /// of the shape and the plan, so the order of the sums stays batch-invariant.
     pub fn warps(self, chunks: usize) -> usize {

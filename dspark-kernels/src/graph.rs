@@ -101,7 +101,7 @@ impl std::fmt::Debug for DeviceGraph {
 }
 
 impl DeviceGraph {
-    /// Run `body` [`WARMUPS`] times, then once under capture; returns the graph and the outputs
+    /// Run `body` `WARMUPS` (3) times, then once under capture; returns the graph and the outputs
     /// of the recorded run. The recorded run does not execute: its outputs hold what the last
     /// warm-up wrote until the graph is [replayed](Self::replay). Each run must compute the
     /// same thing from the same device inputs (a warm-up that writes K/V rows writes the rows

@@ -197,7 +197,7 @@ fn top_by_mass(probs: &[f64], mass: f64) -> Vec<usize> {
 }
 
 /// [`target_probs`] of several rows (a verify window's), the rows spread over threads when they
-/// are long ([`map_rows`]): the result is the sequential map's, bit for bit. A 151 936-wide row
+/// are long (`map_rows`): the result is the sequential map's, bit for bit. A 151 936-wide row
 /// takes about a millisecond on one core, and a sampled verify window has γ + 1 of them.
 pub fn target_probs_rows(rows: &[&[f32]], params: &SamplingParams) -> Vec<Vec<f64>> {
     if params.is_greedy() {
