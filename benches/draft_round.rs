@@ -97,13 +97,13 @@ struct Args {
     #[arg(long, default_value = "tc", value_parser = ["tc", "warp"])]
     attention: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
-    /// activation tiles (`on`) or three (`off`, the library's default), for an A/B
+    /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
     /// (`dspark_kernels::set_tile_padding`).
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pad_tiles: String,
-    /// Take the recorded forwards' integer inputs as views of their buffer (`on`) or as copies
-    /// (`off`, the library's default), for an A/B (`dspark_kernels::set_int_views`).
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    /// Take the recorded forwards' integer inputs as views of their buffer (`on`, the library's
+    /// default) or as copies (`off`), for an A/B (`dspark_kernels::set_int_views`).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
@@ -248,11 +248,11 @@ fn switches(args: &Args) -> String {
     if args.attention == "warp" {
         label += " (warp attention)";
     }
-    if args.pad_tiles == "on" {
-        label += " (4 tiles at 17-24 rows)";
+    if args.pad_tiles == "off" {
+        label += " (3 tiles at 17-24 rows)";
     }
-    if args.int_views == "on" {
-        label += " (int views)";
+    if args.int_views == "off" {
+        label += " (int copies)";
     }
     label
 }

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device calls for two staged switches, both off by default until `check` passes on a GPU:
+# Device calls for two kernel switches, on by default since `check` passed on the H100
+# (2026-12-05-h100-switches.md); the phases still time them off against on:
 #   - the tile padding: bf16 products of 17–24 rows launched as four activation tiles of 8 rows
 #     instead of three (`dspark_kernels::set_tile_padding`; 0.8–1.0 ms off a 17–24-row
 #     Qwen3-8B forward on the H100, 2026-12-05-h100-tiles.md);
@@ -16,8 +17,6 @@
 #          on, one process each.
 #   draft: bench-draft. The γ = 16 and γ = 7c rounds (verify windows of 17 and 8 rows) with
 #          both switches off and on, one process each.
-# If check passes and the timings agree, make both defaults true (dspark-kernels/src/lib.rs),
-# and the benches' flags' defaults with them.
 # Usage: benches/gpu_tiles.sh check|bench|draft
 set -uo pipefail
 OUT=${OUT:-out/results}
@@ -27,7 +26,7 @@ PHASE=${1:-check}
 case "$PHASE" in
 check)
     # One process per test: the reference of the 64-row SwiGLU case runs long on plain burn.
-    for t in ${TILES_KERNEL_TESTS:-skinny_gemm_is_batch_invariant linear_swiglu}; do
+    for t in ${TILES_KERNEL_TESTS:-skinny_gemm_is_batch_invariant int_views_read_their_buffer linear_swiglu}; do
         timeout 100 out/bin/gpu_kernels --test-threads=1 --nocapture "$t" > "$OUT/gpu_kernels-tiles-$t.log" 2>&1
         echo "gpu_kernels $t exit $?"; grep -E "^test |test result|panicked|tile padding" "$OUT/gpu_kernels-tiles-$t.log" | cut -c1-160
     done

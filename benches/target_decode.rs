@@ -52,13 +52,13 @@ struct Args {
     /// (for an A/B).
     #[arg(long, default_value = "auto", value_parser = ["auto", "1", "2", "4", "8"])]
     unroll_wide: String,
-    /// Launch the bf16 products of 17–24 rows as four activation tiles (`on`) or three (`off`,
-    /// the library's default), for an A/B.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    /// Launch the bf16 products of 17–24 rows as four activation tiles (`on`, the library's
+    /// default) or three (`off`), for an A/B.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     pad_tiles: String,
-    /// Take the recorded forwards' inputs as views of their buffer (`on`) or as copies (`off`,
-    /// the library's default; `dspark_kernels::set_int_views`), for an A/B.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    /// Take the recorded forwards' inputs as views of their buffer (`on`, the library's
+    /// default) or as copies (`off`; `dspark_kernels::set_int_views`), for an A/B.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
     /// Verify-window widths to time at one lane (rows per forward, logits for every row), each
     /// beside the one-row step of the same run; empty to skip.
@@ -265,7 +265,8 @@ fn verify_windows(
 
 /// The kernels column: `on`, `on (1 block)` when the GEMM's blocks per cube are forced to 1,
 /// `on (warp attention)` with the warp-per-row attention kernel, `on (unroll N at 17-32 rows)`
-/// with a forced wide unroll, `on (4 tiles at 17-24 rows)` with the tile padding, or `off`.
+/// with a forced wide unroll, `on (3 tiles at 17-24 rows)` without the tile padding, `on (int
+/// copies)` without the int views, or `off`.
 fn kernels_label(args: &Args) -> String {
     let mut label = args.kernels.clone();
     if args.kernels == "on" && args.mtiles == "1" {
@@ -274,11 +275,11 @@ fn kernels_label(args: &Args) -> String {
     if args.kernels == "on" && args.attention == "warp" {
         label += " (warp attention)";
     }
-    if args.kernels == "on" && args.pad_tiles == "on" {
-        label += " (4 tiles at 17-24 rows)";
+    if args.kernels == "on" && args.pad_tiles == "off" {
+        label += " (3 tiles at 17-24 rows)";
     }
-    if args.kernels == "on" && args.int_views == "on" {
-        label += " (int views)";
+    if args.kernels == "on" && args.int_views == "off" {
+        label += " (int copies)";
     }
     if args.kernels == "on" && args.unroll_wide != "auto" {
         label += &format!(" (unroll {} at 17-32 rows)", args.unroll_wide);

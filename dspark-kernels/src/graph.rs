@@ -299,8 +299,8 @@ pub fn write_floats_into(dst: Tensor<1>, src: Tensor<1>) -> Tensor<1> {
 /// alignment of buffer offsets, for 4-byte elements; 8-byte ones are then aligned too).
 pub const INT_VIEW_ALIGN: usize = 128;
 
-/// `x[offset .. offset + len]` of a 1-D integer tensor. On CUDA with [`crate::set_int_views`] on,
-/// where `offset` is a multiple of [`INT_VIEW_ALIGN`] elements, the result is a view of `x`'s
+/// `x[offset .. offset + len]` of a 1-D integer tensor. On CUDA with [`crate::set_int_views`] on
+/// (the default), where `offset` is a multiple of [`INT_VIEW_ALIGN`] elements, the result is a view of `x`'s
 /// buffer: no launch, so a recorded forward that takes its inputs as views of one buffer holds
 /// no copy kernels (burn's slice copies unless the view's end is aligned as well). Elsewhere it
 /// is [`Tensor::narrow`].

@@ -22,8 +22,8 @@ use burn::tensor::{Int, Tensor};
 static KERNELS: AtomicBool = AtomicBool::new(true);
 static PAGED_REFERENCE: AtomicBool = AtomicBool::new(false);
 static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
-static TILE_PADDING: AtomicBool = AtomicBool::new(false);
-static INT_VIEWS: AtomicBool = AtomicBool::new(false);
+static TILE_PADDING: AtomicBool = AtomicBool::new(true);
+static INT_VIEWS: AtomicBool = AtomicBool::new(true);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -47,23 +47,23 @@ pub fn set_tensor_core_attention(enabled: bool) {
 }
 
 /// Launch the bf16 skinny GEMM's products of 17–24 rows with four activation tiles of 8 rows
-/// instead of three. On the H100 a Qwen3-8B forward of 17 rows (a γ = 16 verify window) took
-/// 7.36 ms padded against 8.15 ms unpadded, and one of 24 rows 7.39 against 8.38
-/// (`benches/results/2026-12-05-h100-tiles.md`). No bit should change, since a row's sums do not
-/// depend on the tiles beside it, but the bit check on a GPU (`skinny_gemm_is_batch_invariant`
-/// with the padding on, and the 8B-shaped engine with it as the default: `gpu_tiles.sh check`)
-/// has not run yet, so it stays off by default. For A/B benchmarks; process-wide.
+/// instead of three (on by default). On the H100 a Qwen3-8B forward of 17 rows (a γ = 16 verify
+/// window) takes 7.35 ms padded against 8.08 ms unpadded, and one of 24 rows 7.38 against 8.10
+/// (`benches/results/2026-12-05-h100-switches-*`). No bit changes, since a row's sums do not
+/// depend on the tiles beside it: `skinny_gemm_is_batch_invariant` passes with the padding off
+/// and on, and so do the 8B-shaped engine tests with it on (`gpu_tiles.sh check`, H100). For
+/// A/B benchmarks; process-wide.
 #[doc(hidden)]
 pub fn set_tile_padding(enabled: bool) {
     TILE_PADDING.store(enabled, Ordering::Relaxed);
 }
 
 /// Let [`int_view`] on CUDA share its tensor's buffer where the view starts aligned, instead of
-/// copying through burn's slice (which copies unless the view's end is aligned as well). A
-/// recorded forward takes its inputs as views of one buffer: 4–5 copy launches of about 3 µs
-/// each per target step and per draft round on the H100 (`ncu`), none with the views. Off by
-/// default until checked on a GPU (`gpu_tiles.sh check`, the recorded forwards against op by
-/// op at 8B shapes, with it on by default). For A/B benchmarks; process-wide.
+/// copying through burn's slice (which copies unless the view's end is aligned as well); on by
+/// default. A recorded forward takes its inputs as views of one buffer: 4–5 copy launches of
+/// about 3 µs each per target step and per draft round on the H100 (`ncu`) without the views.
+/// Checked on the H100 (`gpu_tiles.sh check`: `int_views_read_their_buffer`, and the recorded
+/// forwards equal to op by op at 8B shapes with it on). For A/B benchmarks; process-wide.
 #[doc(hidden)]
 pub fn set_int_views(enabled: bool) {
     INT_VIEWS.store(enabled, Ordering::Relaxed);

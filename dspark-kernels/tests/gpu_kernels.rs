@@ -145,7 +145,7 @@ fn skinny_gemm_is_batch_invariant() {
         );
     }
     // Back to the library's default.
-    dspark_kernels::set_tile_padding(false);
+    dspark_kernels::set_tile_padding(true);
 }
 
 #[test]
@@ -1667,5 +1667,6 @@ fn int_views_read_their_buffer() {
         }
         println!("int_view, views {views}: aligned views share the buffer, the others copy");
     }
-    dspark_kernels::set_int_views(false);
+    // Back to the library's default.
+    dspark_kernels::set_int_views(true);
 }

@@ -17,20 +17,22 @@ use dspark::{
 
 const CUDA: DeviceKind = DeviceKind::Cuda(0);
 
-/// Turn on the staged kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated:
-/// `pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` for
-/// `dspark_kernels::set_int_views`), so that one build checks a switch before it becomes the
-/// default (`benches/gpu_tiles.sh check`). Unset: the library's defaults. An unknown name fails
-/// the test rather than being ignored.
+/// Set the kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated: `pad-tiles` /
+/// `no-pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` / `no-int-views` for
+/// `dspark_kernels::set_int_views`), so that one build checks a switch either way: before it
+/// becomes the default, or the path it replaced (`benches/gpu_tiles.sh check`). Unset: the
+/// library's defaults (both on). An unknown name fails the test rather than being ignored.
 fn staged_switches() {
     let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
     for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
         match name {
             "pad-tiles" => dspark_kernels::set_tile_padding(true),
+            "no-pad-tiles" => dspark_kernels::set_tile_padding(false),
             "int-views" => dspark_kernels::set_int_views(true),
+            "no-int-views" => dspark_kernels::set_int_views(false),
             other => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),
         }
-        println!("staged switch on: {name}");
+        println!("kernel switch: {name}");
     }
 }
 

@@ -562,14 +562,14 @@ pub(crate) struct GemmVariant {
 }
 
 /// Activation tiles of 8 rows one launch of `rows` rows (at most [`MAX_ROWS`]) runs:
-/// `rows / 8` rounded up, and, with [`crate::set_tile_padding`] on, three taken as four. On the
-/// H100 (2026-12-05, `bench-target --windows 16,17,24,32`) a whole Qwen3-8B forward of 17 or
-/// 24 rows (three tiles) took 8.12 ms and one of 32 rows (four) 7.66, with every cube's plan the
-/// same; with the padding, 17 and 24 rows took 7.36 and 7.39 ms (`2026-12-05-h100-tiles.md`).
+/// `rows / 8` rounded up, and, with [`crate::set_tile_padding`] on (the default), three taken
+/// as four. On the H100 (2026-12-05, `bench-target --windows 16,17,24,32`) a whole Qwen3-8B
+/// forward of 17 or 24 rows (three tiles) took 8.12 ms and one of 32 rows (four) 7.66, with
+/// every cube's plan the same; with the padding, 17 and 24 rows took 7.36 and 7.39 ms (`2026-12-05-h100-tiles.md`).
 /// The fourth tile's rows are past `rows`, so the kernel neither reads nor writes them, and a
 /// row's sums do not depend on the tiles beside it (`gpu_kernels
-/// skinny_gemm_is_batch_invariant` runs with it off and on), so the padding should change no
-/// bit; that check has not run on a GPU yet, hence off by default.
+/// skinny_gemm_is_batch_invariant` passes with it off and on, H100 2026-12-05), so the padding
+/// changes no bit.
 pub(crate) fn launch_tiles(rows: usize) -> usize {
     match rows.div_ceil(8) {
         3 if crate::tile_padding() => 4,

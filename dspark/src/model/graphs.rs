@@ -96,9 +96,9 @@ pub(crate) struct DeviceInputs {
 }
 
 impl DeviceInputs {
-    /// `len` index-dtype values from `offset`: with `dspark_kernels::set_int_views` on, a view of
-    /// the input buffer where `offset` is a multiple of [`dspark_kernels::INT_VIEW_ALIGN`] (see
-    /// [`int_section`]); else a copy.
+    /// `len` index-dtype values from `offset`: with `dspark_kernels::set_int_views` on (the
+    /// default), a view of the input buffer where `offset` is a multiple of
+    /// [`dspark_kernels::INT_VIEW_ALIGN`] (see [`int_section`]); else a copy.
     pub fn ints(&self, offset: usize, len: usize) -> Tensor<1, Int> {
         dspark_kernels::int_view(self.ints.clone(), offset, len)
     }
