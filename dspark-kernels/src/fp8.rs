@@ -137,6 +137,22 @@ impl Fp8Matrix {
         out > 0 && inp > 0 && inp.is_multiple_of(64) && out.is_multiple_of(16)
     }
 
+    /// The rows `ids` of a matrix with one scale per row, in that order (a draft's LM-head rows
+    /// for a restricted vocabulary); `None` for block scales, whose blocks span 128 rows, or when
+    /// the row count is not one [`Fp8Matrix::shape_supported`] takes. The new matrix is allocated
+    /// as persistent memory, as uploads are.
+    pub fn select_rows(&self, ids: Tensor<1, Int>) -> Option<Self> {
+        let out = ids.dims()[0];
+        if self.grid != ScaleGrid::PerRow || !Self::shape_supported(out, self.inp) {
+            return None;
+        }
+        let device = self.words.device();
+        let parts = (self.words.clone(), self.scales.clone(), ids);
+        let (words, scales) = device
+            .memory_persistent_allocations(parts, |(w, s, ids)| (w.select(0, ids.clone()), s.select(0, ids)));
+        Some(Self { words, scales, out, inp: self.inp, grid: ScaleGrid::PerRow })
+    }
+
     /// Put row-major e4m3 `bytes` (`[out, in]`) and their `scales` on `device`.
     ///
     /// # Errors

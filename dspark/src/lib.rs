@@ -36,8 +36,8 @@ pub use engine::{
 pub use error::{Error, Result};
 pub use kv_cache::{KvCache, KvLayout, PagedKvCache, PoolState, SeqId};
 pub use model::{
-    DSparkConfig, DSparkDraft, DeviceTokens, DraftCacheConfig, ForwardOutput, LoadOptions, LogitRows, Qwen3,
-    SeqChunk, TargetBinding,
+    DSparkConfig, DSparkDraft, DeviceTokens, DraftCacheConfig, DraftVocab, ForwardOutput, LoadOptions,
+    LogitRows, Qwen3, SeqChunk, TargetBinding,
 };
 pub use sampling::SamplingParams;
 

@@ -22,7 +22,9 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
         .map(|prompt| Request { prompt, params: SamplingParams::greedy(48) })
         .collect();
     let load = || Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap();
-    let spec_engine = || {
+    // A draft vocabulary of 1024 tokens: the recorded round chooses draft indices and maps them
+    // back on the device.
+    let spec_engine_restricted = |tokens: Option<usize>| {
         let target = load();
         let mut draft = DSparkDraft::load(
             &models().join("tiny-code-dspark"),
@@ -32,8 +34,12 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
         )
         .unwrap();
         assert!(draft.set_device_markov(true), "the trained draft's head runs on the device pass");
+        if let Some(n) = tokens {
+            draft.restrict_vocab(dspark::DraftVocab::leading(n, 4096).unwrap()).unwrap();
+        }
         Engine::with_draft(target, Box::new(draft), &EngineConfig::default()).unwrap()
     };
+    let spec_engine = || spec_engine_restricted(None);
 
     // Sampled requests: the target's verify windows take the recorded path, the draft samples
     // op by op; the same seeds must give the same tokens either way.
@@ -51,6 +57,8 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
     let base = Engine::new(load(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
     let op_by_op = spec_engine().generate(&requests).unwrap();
     let sampled_op_by_op = spec_engine().generate(&sampled).unwrap();
+    let restricted_op_by_op = spec_engine_restricted(Some(1024)).generate(&requests).unwrap();
+    let restricted_sampled_op_by_op = spec_engine_restricted(Some(1024)).generate(&sampled).unwrap();
 
     // 2. Recorded: the golden target token for token, then both engines again.
     dspark_kernels::set_graph_emulation(true);
@@ -60,6 +68,8 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
     let mut spec = spec_engine();
     let recorded = spec.generate(&requests).unwrap();
     let sampled_recorded = spec_engine().generate(&sampled).unwrap();
+    let restricted_recorded = spec_engine_restricted(Some(1024)).generate(&requests).unwrap();
+    let restricted_sampled_recorded = spec_engine_restricted(Some(1024)).generate(&sampled).unwrap();
 
     // 3. The recording policy: a shape is recorded the second time it is seen, at most 16 are
     //    kept, and row counts share padded shapes (1, 2, 4, 8, 16 rows here).
@@ -115,6 +125,16 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
     }
     for (i, (r, o)) in sampled_recorded.iter().zip(&sampled_op_by_op).enumerate() {
         assert_eq!(r.tokens, o.tokens, "sampled prompt {i}: recorded differs from op by op");
+    }
+    for (i, ((r, o), b)) in restricted_recorded.iter().zip(&restricted_op_by_op).zip(&base).enumerate() {
+        assert_eq!(
+            r.tokens, b.tokens,
+            "prompt {i}: recorded restricted speculative differs from target-only"
+        );
+        assert_eq!(r.stats.rounds, o.stats.rounds, "prompt {i}: restricted rounds differ from op by op");
+    }
+    for (i, (r, o)) in restricted_sampled_recorded.iter().zip(&restricted_sampled_op_by_op).enumerate() {
+        assert_eq!(r.tokens, o.tokens, "sampled prompt {i}: restricted recorded differs from op by op");
     }
     eprintln!("trained pair, recorded path: tau {:.3}", generated as f64 / rounds as f64);
     assert!(rounds < generated, "the draft was accepted at least sometimes");

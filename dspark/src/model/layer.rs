@@ -312,6 +312,59 @@ impl Proj {
         }
     }
 
+    /// The projection onto the output rows `ids` only (in that order): a draft's LM head for a
+    /// restricted vocabulary. Each row's values are those of the full weight, so each output is
+    /// the full product's value at that row.
+    ///
+    /// # Errors
+    /// [`Error::InvalidInput`] when an id is out of range or, for an FP8 weight, when its scales
+    /// are not per row or the row count does not suit the FP8 kernel.
+    pub(crate) fn select_rows(&self, ids: &[u32]) -> Result<Self> {
+        let out = self.out_features();
+        if let Some(&bad) = ids.iter().find(|&&i| i as usize >= out) {
+            return Err(Error::InvalidInput(format!("row {bad} of a projection with {out} rows")));
+        }
+        let index = |device: &Device| {
+            let values: Vec<i64> = ids.iter().map(|&i| i64::from(i)).collect();
+            Tensor::<1, Int>::from_data(TensorData::new(values, [ids.len()]), device)
+        };
+        Ok(match &self.0 {
+            ProjKind::Burn { weight, transposed } => {
+                let device = weight.device();
+                let (dim, parts) = (usize::from(*transposed), (weight.clone(), index(&device)));
+                let weight = crate::device::persistent(&device, parts, |(w, i)| w.select(dim, i));
+                Self(ProjKind::Burn { weight, transposed: *transposed })
+            }
+            ProjKind::Host(w) => {
+                let (inp, all) = (w.k(), w.to_out_in());
+                let rows: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&i| &all[i as usize * inp..(i as usize + 1) * inp])
+                    .copied()
+                    .collect();
+                Self(ProjKind::Host(Arc::new(PackedWeight::from_out_in(&rows, ids.len(), inp))))
+            }
+            ProjKind::Fp8(m) => {
+                let picked = m.select_rows(index(&m.device()));
+                Self(ProjKind::Fp8(picked.ok_or_else(|| {
+                    Error::InvalidInput(format!(
+                        "{} rows of an FP8 weight: it needs per-row scales and a multiple of 16 rows",
+                        ids.len()
+                    ))
+                })?))
+            }
+        })
+    }
+
+    /// Rows of the `[out, in]` weight.
+    fn out_features(&self) -> usize {
+        match &self.0 {
+            ProjKind::Burn { weight, transposed } => weight.dims()[usize::from(*transposed)],
+            ProjKind::Host(w) => w.n(),
+            ProjKind::Fp8(m) => m.dims()[0],
+        }
+    }
+
     /// Whether the weight is kept as FP8.
     pub(crate) fn is_fp8(&self) -> bool {
         matches!(self.0, ProjKind::Fp8(_))

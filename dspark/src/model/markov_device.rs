@@ -21,6 +21,7 @@
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
+use super::draft_vocab::DraftVocab;
 use super::fp8::{QuantizedRows, per_channel_weight};
 use super::layer::Weight;
 use super::markov::{MarkovHead, softmax_t};
@@ -33,10 +34,26 @@ use crate::sampling::{SamplingParams, Stream, coin};
 /// Device copies of the Markov and confidence heads.
 #[derive(Debug, Clone)]
 pub(crate) struct DeviceMarkov {
-    /// `markov_w1` `[V, r]` in the draft's dtype and `markov_w2` `[V, r]`, dense in the draft's
-    /// dtype or, for an FP8 draft, e4m3 with per-row scales; `None` without a head.
+    /// `markov_w1` `[V, r]` in the draft's dtype and `markov_w2` `[V', r]` (`V'` the draft
+    /// vocabulary: the whole one, or the rows of a [`DraftVocab`]), dense in the draft's dtype
+    /// or, for an FP8 draft, e4m3 with per-row scales; `None` without a head.
     w: Option<(Tensor<2>, Weight)>,
+    /// With a restricted draft vocabulary the steps choose indices into it, not token ids.
+    vocab: Option<DeviceVocab>,
     device: Device,
+}
+
+/// A restricted draft vocabulary on the device.
+#[derive(Debug, Clone)]
+struct DeviceVocab {
+    /// `[V']`: the token id of each draft index.
+    to_target: Tensor<1, Int>,
+    /// `[V]`: each token's draft index, or `V'` (the −∞ column) when it cannot be drafted.
+    to_draft: Tensor<1, Int>,
+    /// `markov_w1` rows of the draft vocabulary `[V', r]`: steps after the first embed the
+    /// previous step's draft index (the first embeds the anchor, a token id, from the whole
+    /// table).
+    w1: Option<Tensor<2>>,
 }
 
 /// `x · W2ᵀ` through this crate's kernels.
@@ -63,13 +80,15 @@ pub(crate) struct DeviceRound {
 impl DeviceMarkov {
     /// Upload the Markov head; `None` for the gated and rnn heads, which stay on the host pass.
     /// `w2_fp8`: the e4m3 bytes and per-row scales `markov.w2` was dequantised from (an FP8
-    /// draft), kept as FP8 where the device runs FP8 products.
+    /// draft), kept as FP8 where the device runs FP8 products. `vocab`: the draft vocabulary
+    /// when restricted (only its rows of `W2` are uploaded).
     ///
     /// # Errors
     /// When the FP8 copy does not upload (a shape that does not match the head).
     pub(crate) fn new(
         markov: Option<&MarkovHead>,
         w2_fp8: Option<&QuantizedRows>,
+        vocab: Option<&DraftVocab>,
         dtype: ComputeDtype,
         device: &Device,
     ) -> Result<Option<Self>> {
@@ -81,21 +100,95 @@ impl DeviceMarkov {
             let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(dtype);
             crate::device::persistent(device, data, |data| Tensor::<2>::from_data(data, options.clone()))
         };
+        // The rows of a `[V, cols]` row-major matrix the draft vocabulary keeps.
+        let pick = |values: &[f32], cols: usize| -> Vec<f32> {
+            match vocab {
+                Some(d) => {
+                    d.ids().iter().flat_map(|&t| &values[t as usize * cols..][..cols]).copied().collect()
+                }
+                None => values.to_vec(),
+            }
+        };
         let w = match markov {
             None => None,
             Some(m) if m.kind == MarkovHeadType::Vanilla => {
-                let v = m.w1.len() / m.rank;
+                let (v, r) = (m.w1.len() / m.rank, m.rank);
+                let rows = vocab.map_or(v, DraftVocab::len);
                 let w2 = match w2_fp8 {
                     Some(q) => {
-                        per_channel_weight(q, [v, m.rank], dtype, device, "markov_head.markov_w2.weight")?
+                        let q = QuantizedRows {
+                            bytes: match vocab {
+                                Some(d) => d
+                                    .ids()
+                                    .iter()
+                                    .flat_map(|&t| &q.bytes[t as usize * r..][..r])
+                                    .copied()
+                                    .collect(),
+                                None => q.bytes.clone(),
+                            },
+                            scales: match vocab {
+                                Some(d) => d.ids().iter().map(|&t| q.scales[t as usize]).collect(),
+                                None => q.scales.clone(),
+                            },
+                        };
+                        per_channel_weight(&q, [rows, r], dtype, device, "markov_head.markov_w2.weight")?
                     }
-                    None => Weight::Dense(upload(&m.w2, [v, m.rank], dtype.dtype())),
+                    None => Weight::Dense(upload(&pick(&m.w2, r), [rows, r], dtype.dtype())),
                 };
-                Some((upload(&m.w1, [v, m.rank], dtype.dtype()), w2))
+                Some((upload(&m.w1, [v, r], dtype.dtype()), w2))
             }
             Some(_) => return Ok(None),
         };
-        Ok(Some(Self { w, device: device.clone() }))
+        let vocab = vocab.map(|d| {
+            let ints = |values: Vec<i64>| {
+                let n = values.len();
+                Tensor::<1, Int>::from_data(TensorData::new(values, [n]), device)
+            };
+            DeviceVocab {
+                to_target: ints(d.ids().iter().map(|&t| i64::from(t)).collect()),
+                to_draft: ints(d.target_to_draft()),
+                w1: markov
+                    .filter(|m| m.kind == MarkovHeadType::Vanilla)
+                    .map(|m| upload(&pick(&m.w1, m.rank), [d.len(), m.rank], dtype.dtype())),
+            }
+        });
+        Ok(Some(Self { w, vocab, device: device.clone() }))
+    }
+
+    /// `W1[prev]` at step `k`: `prev` holds token ids at the first step (the anchors) and, with a
+    /// restricted draft vocabulary, draft indices after it.
+    fn embed(&self, w1: &Tensor<2>, prev: &Tensor<1, Int>, k: usize) -> Tensor<2> {
+        let table = match &self.vocab {
+            Some(DeviceVocab { w1: Some(sub), .. }) if k > 0 => sub,
+            _ => w1,
+        };
+        table.clone().select(0, prev.clone())
+    }
+
+    /// The chosen draft indices `[lanes, γ]` as token ids.
+    fn to_tokens(&self, chosen: Tensor<2, Int>) -> Tensor<2, Int> {
+        match &self.vocab {
+            Some(v) => {
+                let [lanes, gamma] = chosen.dims();
+                v.to_target.clone().select(0, chosen.reshape([lanes * gamma])).reshape([lanes, gamma])
+            }
+            None => chosen,
+        }
+    }
+
+    /// Rows over the draft vocabulary `[n, V']` spread over the whole one `[n, V]`, −∞ where
+    /// the draft cannot propose (zero in the proposal `q`).
+    fn to_target_rows(&self, rows: Tensor<2>) -> Tensor<2> {
+        match &self.vocab {
+            Some(v) => {
+                let n = rows.dims()[0];
+                let options =
+                    burn::tensor::TensorCreationOptions::new(self.device.clone()).with_dtype(DType::F32);
+                let minus_inf = Tensor::<2>::full([n, 1], f32::NEG_INFINITY, options);
+                Tensor::cat(vec![rows, minus_inf], 1).select(1, v.to_draft.clone())
+            }
+            None => rows,
+        }
     }
 
     /// The γ steps for every lane: `base` `[lanes·γ, V]` (f32) from the block forward; lane `i`
@@ -144,12 +237,13 @@ impl DeviceMarkov {
         if keep_rows {
             round.rows = Some(rows);
         } else {
-            round.q = q_rows(&read_f32(rows)?, v, params, gamma);
+            let width = rows.dims()[1];
+            round.q = q_rows(&read_f32(rows)?, width, params, gamma);
         }
         Ok(round)
     }
 
-    /// Step `k`'s corrected logits `base[:, k] + W2 · W1[prev]` (f32, `[lanes, V]`; `base` may
+    /// Step `k`'s corrected logits `base[:, k] + W2 · W1[prev]` (f32, `[lanes, V']`; `base` may
     /// be in the draft's dtype: only this step's rows are widened, exactly).
     fn corrected(&self, prev: &Tensor<1, Int>, base: &Tensor<3>, k: usize) -> Tensor<2> {
         let [lanes, _, v] = base.dims();
@@ -158,17 +252,17 @@ impl DeviceMarkov {
             row = row.cast(DType::F32);
         }
         if let Some((w1, w2)) = &self.w {
-            let e = w1.clone().select(0, prev.clone());
-            let bias = w2_product(e, w2);
+            let bias = w2_product(self.embed(w1, prev, k), w2);
             row = row + if bias.dtype() == DType::F32 { bias } else { bias.cast(DType::F32) };
         }
         row
     }
 
     /// The γ steps with draws on the device: `prev` `[lanes]` holds the anchors, `base`
-    /// `[lanes, γ, V]`, `draws` the words of [`draw_words`] (`[γ][lanes][3]`). Returns the tokens
-    /// `[lanes, γ]` and the corrected rows `[lanes·γ, V]` (f32) they were drawn from. A greedy
-    /// lane's words say "argmax": its tokens are those of [`Self::greedy`].
+    /// `[lanes, γ, V']` (over the draft vocabulary), `draws` the words of [`draw_words`]
+    /// (`[γ][lanes][3]`). Returns the tokens `[lanes, γ]` and the corrected rows `[lanes·γ, V]`
+    /// (f32, −∞ outside the draft vocabulary) they were drawn from. A greedy lane's words say
+    /// "argmax": its tokens are those of [`Self::greedy`].
     pub(crate) fn sampled(
         &self,
         mut prev: Tensor<1, Int>,
@@ -187,12 +281,14 @@ impl DeviceMarkov {
             rows.push(row);
             prev = t;
         }
-        (Tensor::cat(chosen, 1), Tensor::stack::<3>(rows, 1).reshape([lanes * gamma, v]))
+        let rows = Tensor::stack::<3>(rows, 1).reshape([lanes * gamma, v]);
+        (self.to_tokens(Tensor::cat(chosen, 1)), self.to_target_rows(rows))
     }
 
     /// The γ greedy steps on the device alone (no upload, no read): `prev` `[lanes]` holds the
-    /// anchors, `base` `[lanes, γ, V]` (f32 or the draft's dtype); returns the tokens `[lanes, γ]`, each the lowest index
-    /// of its step's maximum, as the host pass chooses.
+    /// anchors, `base` `[lanes, γ, V']` (f32 or the draft's dtype, over the draft vocabulary);
+    /// returns the tokens `[lanes, γ]`, each the lowest index of its step's maximum, as the host
+    /// pass chooses (the draft vocabulary is sorted: the lowest index is the lowest token id).
     pub(crate) fn greedy(&self, mut prev: Tensor<1, Int>, base: Tensor<3>, gamma: usize) -> Tensor<2, Int> {
         let lanes = base.dims()[0];
         let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
@@ -201,7 +297,7 @@ impl DeviceMarkov {
             // (the same f32 values as `corrected`, never stored).
             let t = match &self.w {
                 Some((w1, w2)) => {
-                    let bias = w2_product(w1.clone().select(0, prev.clone()), w2);
+                    let bias = w2_product(self.embed(w1, &prev, k), w2);
                     dspark_kernels::argmax_sum_rows(base.clone(), k, bias)
                 }
                 None => dspark_kernels::argmax_rows(self.corrected(&prev, &base, k)),
@@ -209,7 +305,7 @@ impl DeviceMarkov {
             chosen.push(t.clone().reshape([lanes, 1]));
             prev = t;
         }
-        Tensor::cat(chosen, 1)
+        self.to_tokens(Tensor::cat(chosen, 1))
     }
 }
 

@@ -2,6 +2,7 @@
 
 mod cpu_gemm;
 mod draft_config;
+mod draft_vocab;
 mod dspark_draft;
 pub mod fp8;
 mod graphs;
@@ -12,6 +13,7 @@ mod qwen3;
 mod rope;
 
 pub use draft_config::{DSparkConfig, MarkovHeadType, default_target_layer_ids};
+pub use draft_vocab::DraftVocab;
 pub use dspark_draft::{DSparkDraft, DraftCacheConfig, MarkovPass, TargetBinding};
 pub use markov::{ConfidenceHead, MarkovHead};
 
