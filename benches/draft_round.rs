@@ -76,6 +76,12 @@ struct Args {
     /// base logits).
     #[arg(long, value_delimiter = ',', default_value = "bf16")]
     weights: Vec<String>,
+    /// Draft vocabularies to time, each a table row per layout and weights: `0` the whole
+    /// vocabulary, `K` its first K ids (`DSparkDraft::restrict_vocab` with
+    /// `DraftVocab::leading`; the weights column then reads e.g. `fp8h, vocab 32768`). The
+    /// implied speedups assume the same τ: a restricted draft's τ is to be measured apart.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    draft_vocab: Vec<usize>,
     /// Launch modes to time, each a table row per layout and weights: `on` (forwards, draft
     /// rounds and context extensions replayed as recorded CUDA graphs) or `off` (op by op).
     #[arg(long, value_delimiter = ',', default_value = "on")]
@@ -328,7 +334,14 @@ fn main() -> dspark::Result<()> {
         profiled(&args, &device, spans, "step", || step(&target, &mut cache, seq, &[11]))?;
         eprintln!("graphs {mode}: target one-row step {:.2} ms", one_row * 1e3);
         memory_at("target steps", &meter, &device);
-        for (spec, weights) in args.layouts.iter().flat_map(|l| args.weights.iter().map(move |w| (l, w))) {
+        let mut combos = Vec::new();
+        for l in &args.layouts {
+            for w in &args.weights {
+                combos.extend(args.draft_vocab.iter().map(|&v| (l.clone(), w.clone(), v)));
+            }
+        }
+        for (spec, weights, draft_vocab) in combos {
+            let (spec, weights) = (&spec, &weights);
             let confidence = spec.ends_with('c');
             let gamma: usize = spec
                 .trim_end_matches('c')
@@ -366,6 +379,12 @@ fn main() -> dspark::Result<()> {
                     draft.fp8_on_device()
                 );
             }
+            let weights = if draft_vocab > 0 {
+                draft.restrict_vocab(dspark::DraftVocab::leading(draft_vocab, config.vocab_size)?)?;
+                format!("{weights}, vocab {draft_vocab}")
+            } else {
+                weights.clone()
+            };
             if args.emulate_graphs {
                 // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
                 draft.set_device_markov(true);

@@ -118,6 +118,15 @@ struct GenerateArgs {
     /// Also an FP8 copy of the LM head for the draft's base logits.
     #[arg(long, requires = "draft_fp8")]
     draft_fp8_head: bool,
+    /// Let the draft propose only K tokens (a draft vocabulary: its LM-head and Markov rows are
+    /// read for those only; output distribution unchanged, acceptance may fall): the K most
+    /// frequent in --draft-vocab-corpus, else the first K ids.
+    #[arg(long, requires = "draft")]
+    draft_vocab: Option<usize>,
+    /// A text file, or a folder read recursively, whose tokens rank the draft vocabulary
+    /// (files that are not UTF-8 are skipped).
+    #[arg(long, requires = "draft_vocab")]
+    draft_vocab_corpus: Option<PathBuf>,
     /// Verify width in rows (anchor + drafts), 1..=γ+1; default: all γ drafts.
     #[arg(long, requires = "draft", conflicts_with = "confidence_threshold")]
     verify_width: Option<usize>,
@@ -178,6 +187,27 @@ struct DraftSpec<'a> {
     dir: &'a Path,
     fp8: bool,
     fp8_head: bool,
+    /// Tokens of the draft vocabulary, and the corpus that ranks them.
+    vocab: Option<(usize, Option<&'a Path>)>,
+}
+
+/// The draft vocabulary of `--draft-vocab K [--draft-vocab-corpus PATH]` for a target of
+/// `vocab` tokens whose tokenizer is in `target_dir`.
+fn draft_vocab(
+    tokens: usize,
+    corpus: Option<&Path>,
+    target_dir: &Path,
+    vocab: usize,
+) -> dspark::Result<dspark::DraftVocab> {
+    let Some(corpus) = corpus else { return dspark::DraftVocab::leading(tokens, vocab) };
+    let tokenizer = Tokenizer::from_dir(target_dir).map_err(|e| {
+        dspark::Error::InvalidInput(format!("--draft-vocab-corpus needs the target's tokenizer: {e}"))
+    })?;
+    let (counts, files) = tokenizer
+        .corpus_counts(corpus, vocab)
+        .map_err(|e| dspark::Error::InvalidInput(format!("--draft-vocab-corpus: {e}")))?;
+    tracing::info!(files, tokens = counts.iter().sum::<u64>(), "draft vocabulary ranked");
+    dspark::DraftVocab::most_frequent(&counts, tokens)
 }
 
 fn load_speculative(
@@ -227,6 +257,11 @@ fn load_speculative(
                 bar.set_message("FP8 copy of the LM head");
                 draft.quantize_lm_head()?;
             }
+            if let Some((tokens, corpus)) = spec.vocab {
+                bar.set_message("draft vocabulary");
+                let vocab = draft_vocab(tokens, corpus, &model.target, target.config().vocab_size)?;
+                draft.restrict_vocab(vocab)?;
+            }
             Engine::with_draft(target, Box::new(draft), &config)
         }),
     };
@@ -272,6 +307,7 @@ fn generate(args: GenerateArgs) -> dspark::Result<()> {
         dir,
         fp8: args.draft_fp8,
         fp8_head: args.draft_fp8_head,
+        vocab: args.draft_vocab.map(|k| (k, args.draft_vocab_corpus.as_deref())),
     });
     let mut engine = load_speculative(&args.model, draft, verify, args.cost_table.as_deref(), args.json)?;
     let mut stop = args.stop_token_ids.clone();

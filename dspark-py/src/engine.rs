@@ -180,7 +180,8 @@ impl Engine {
     #[pyo3(signature = (
         target, draft=None, *, device="cpu", dtype="f32", kv_budget_bytes=None, page_size=None,
         verify_width=None, confidence_threshold=None, draft_kv_budget_bytes=None, draft_page_size=None,
-        draft_fp8=false, draft_fp8_head=false, one_sync_rounds=true, tokenizer=None, progress=None,
+        draft_fp8=false, draft_fp8_head=false, draft_vocab=None, draft_vocab_corpus=None,
+        one_sync_rounds=true, tokenizer=None, progress=None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -197,6 +198,8 @@ impl Engine {
         draft_page_size: Option<usize>,
         draft_fp8: bool,
         draft_fp8_head: bool,
+        draft_vocab: Option<usize>,
+        draft_vocab_corpus: Option<PathBuf>,
         one_sync_rounds: bool,
         tokenizer: Option<PathBuf>,
         progress: Option<Py<PyAny>>,
@@ -207,6 +210,12 @@ impl Engine {
         }
         if draft_fp8_head && !draft_fp8 {
             return Err(invalid("draft_fp8_head needs draft_fp8"));
+        }
+        if draft_vocab.is_some() && draft.is_none() {
+            return Err(invalid("draft_vocab needs a draft"));
+        }
+        if draft_vocab_corpus.is_some() && draft_vocab.is_none() {
+            return Err(invalid("draft_vocab_corpus needs draft_vocab"));
         }
         let device: DeviceKind = device.parse().map_err(|e| Failure::from(e).into_py(py))?;
         let dtype: ComputeDtype = dtype.parse().map_err(|e| Failure::from(e).into_py(py))?;
@@ -261,6 +270,22 @@ impl Engine {
                     };
                     if draft_fp8_head {
                         d.quantize_lm_head()?;
+                    }
+                    if let Some(k) = draft_vocab {
+                        let v = model.config().vocab_size;
+                        let vocab = match (&draft_vocab_corpus, &tok) {
+                            (None, _) => dspark::DraftVocab::leading(k, v)?,
+                            (Some(corpus), Some(t)) => {
+                                dspark::DraftVocab::most_frequent(&t.corpus_counts(corpus, v)?.0, k)?
+                            }
+                            (Some(_), None) => {
+                                return Err(dspark::Error::InvalidInput(
+                                    "draft_vocab_corpus needs the target's tokenizer".into(),
+                                )
+                                .into());
+                            }
+                        };
+                        d.restrict_vocab(vocab)?;
                     }
                     dspark::Engine::with_draft(model, Box::new(d), &config)?
                 }

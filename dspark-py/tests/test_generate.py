@@ -264,6 +264,20 @@ def test_fp8_draft_keeps_greedy_output(target_engine, golden_cases):
         assert sum(g.stats.drafted for g in spec) > 0
 
 
+def test_restricted_draft_vocabulary_keeps_greedy_output(target_engine, golden_cases, tmp_path):
+    prompts = [c["input_ids"] for c in cases(golden_cases, "target_greedy")]
+    params = dspark.SamplingParams(40)
+    plain = target_engine.generate(prompts, params)
+    engine = dspark.Engine(TARGET, draft=DRAFT, draft_vocab=128)
+    spec = engine.generate(prompts, params)
+    assert [g.token_ids for g in spec] == [g.token_ids for g in plain]
+    assert sum(g.stats.drafted for g in spec) > 0
+    with pytest.raises(dspark.InvalidInputError, match="draft_vocab"):
+        dspark.Engine(TARGET, draft_vocab=128)
+    with pytest.raises(dspark.InvalidInputError, match="outside|1..="):
+        dspark.Engine(TARGET, draft=DRAFT, draft_vocab=100_000)
+
+
 def test_two_sync_rounds_keep_greedy_output(target_engine, golden_cases):
     prompts = [c["input_ids"] for c in cases(golden_cases, "target_greedy")]
     params = dspark.SamplingParams(24)

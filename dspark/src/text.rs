@@ -551,6 +551,69 @@ impl Tokenizer {
         Ok(encoding.get_ids().to_vec())
     }
 
+    /// How often each id occurs in the encodings of `texts` (without added special tokens), in
+    /// a vector of `vocab` counts (ids at or past `vocab` are not counted): the ranking
+    /// [`crate::DraftVocab::most_frequent`] takes, from text like the traffic to serve.
+    ///
+    /// # Errors
+    ///
+    /// [`TextError::Encode`] when the `tokenizers` crate fails on a text.
+    pub fn token_counts<'a>(
+        &self,
+        texts: impl IntoIterator<Item = &'a str>,
+        vocab: usize,
+    ) -> Result<Vec<u64>, TextError> {
+        let mut counts = vec![0u64; vocab];
+        for text in texts {
+            for id in self.encode(text, false)? {
+                if let Some(c) = counts.get_mut(id as usize) {
+                    *c += 1;
+                }
+            }
+        }
+        Ok(counts)
+    }
+
+    /// [`Tokenizer::token_counts`] of a corpus on disk: the file `path`, or every file under the
+    /// folder `path` (recursively, in path order). Files that are not UTF-8 text, and links to
+    /// nothing, are not part of the corpus. Returns the counts and how many files were counted.
+    ///
+    /// # Errors
+    ///
+    /// [`TextError::Io`] when a file or folder cannot be read (or no file is text),
+    /// [`TextError::Encode`] when the `tokenizers` crate fails on a file.
+    pub fn corpus_counts(&self, path: &Path, vocab: usize) -> Result<(Vec<u64>, usize), TextError> {
+        let io = |p: &Path, source: io::Error| TextError::Io { path: p.to_path_buf(), source };
+        let mut counts = vec![0u64; vocab];
+        let mut files = 0;
+        let mut pending = vec![path.to_path_buf()];
+        while let Some(p) = pending.pop() {
+            if p.is_dir() {
+                let mut entries = Vec::new();
+                for entry in std::fs::read_dir(&p).map_err(|e| io(&p, e))? {
+                    entries.push(entry.map_err(|e| io(&p, e))?.path());
+                }
+                entries.sort();
+                pending.extend(entries.into_iter().rev());
+                continue;
+            }
+            let text = match std::fs::read(&p).map(String::from_utf8) {
+                Ok(Ok(text)) => text,
+                Ok(Err(_)) => continue,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(io(&p, e)),
+            };
+            let part = self.token_counts([text.as_str()], vocab)?;
+            counts.iter_mut().zip(part).for_each(|(c, n)| *c += n);
+            files += 1;
+        }
+        if files == 0 {
+            let none = io::Error::new(io::ErrorKind::InvalidData, "no UTF-8 text file to count");
+            return Err(io(path, none));
+        }
+        Ok((counts, files))
+    }
+
     /// Decodes token ids into text, leaving out special tokens when `skip_special_tokens`.
     /// Bytes that do not form valid UTF-8 come out as U+FFFD.
     ///
