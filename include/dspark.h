@@ -366,6 +366,19 @@ enum DsparkStatus dspark_draft_context_len(struct DsparkDraft *draft,
                                            uint64_t seq,
                                            size_t *out_len);
 
+// Let the draft propose only the `n_ids` tokens of `ids` (a draft vocabulary; see
+// `DSparkDraft::restrict_vocab` in the Rust crate): it then reads only their LM-head and Markov
+// rows. The set is sorted, repeats dropped, and filled up to a multiple of 64 with the lowest
+// ids it lacks. Proposal distributions still span the whole vocabulary (zero outside the set),
+// so acceptance is unchanged and exact; acceptance rates may fall. Once per draft, before
+// proposing.
+//
+// # Safety
+// `draft` is a live handle; `ids` holds `n_ids` values.
+enum DsparkStatus dspark_draft_restrict_vocab(struct DsparkDraft *draft,
+                                              const uint32_t *ids,
+                                              size_t n_ids);
+
 // End sequence `seq` and free its context K/V.
 //
 // # Safety

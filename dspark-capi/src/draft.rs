@@ -414,6 +414,30 @@ pub unsafe extern "C" fn dspark_draft_context_len(
     })
 }
 
+/// Let the draft propose only the `n_ids` tokens of `ids` (a draft vocabulary; see
+/// `DSparkDraft::restrict_vocab` in the Rust crate): it then reads only their LM-head and Markov
+/// rows. The set is sorted, repeats dropped, and filled up to a multiple of 64 with the lowest
+/// ids it lacks. Proposal distributions still span the whole vocabulary (zero outside the set),
+/// so acceptance is unchanged and exact; acceptance rates may fall. Once per draft, before
+/// proposing.
+///
+/// # Safety
+/// `draft` is a live handle; `ids` holds `n_ids` values.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn dspark_draft_restrict_vocab(
+    draft: *mut DsparkDraft,
+    ids: *const u32,
+    n_ids: usize,
+) -> DsparkStatus {
+    guard(|| {
+        let d = draft_ref(draft)?;
+        // SAFETY: ids holds n_ids values, per this function's contract.
+        let ids = unsafe { slice_arg(ids, n_ids, "ids") }?;
+        let vocab = dspark::DraftVocab::new(ids.iter().copied(), d.vocab_size).map_err(fail)?;
+        lock(d)?.restrict_vocab(vocab).map(|_| ()).map_err(fail)
+    })
+}
+
 /// End sequence `seq` and free its context K/V.
 ///
 /// # Safety

@@ -236,6 +236,46 @@ fn an_fp8_draft_behind_the_c_calls_keeps_greedy_output() {
 }
 
 #[test]
+fn a_restricted_draft_behind_the_c_calls_keeps_greedy_output() {
+    let dir = golden().join("tiny-qwen3");
+    let target = Qwen3::load(&dir, LoadOptions::default()).unwrap();
+    let mut plain =
+        Engine::new(Qwen3::load(&dir, LoadOptions::default()).unwrap(), &EngineConfig::default()).unwrap();
+    let (embed, head) = target_weights(&dir);
+    let draft = create_draft("tiny-dspark", &embed, &head);
+    // Bad sets first: nothing, an id outside the vocabulary, null with a length.
+    for (bad, n) in [(&[][..], 0), (&[7u32, 512][..], 2)] {
+        // SAFETY: live handle, `bad` holds `n` values.
+        let status = unsafe { dspark_draft_restrict_vocab(draft, bad.as_ptr(), n) };
+        assert_eq!(status, DsparkStatus::InvalidArgument, "{bad:?}");
+    }
+    // SAFETY: live handle; a null pointer with a length must be refused, not read.
+    assert_eq!(
+        unsafe { dspark_draft_restrict_vocab(draft, std::ptr::null(), 4) },
+        DsparkStatus::InvalidArgument
+    );
+    let keep: Vec<u32> = (0..512).filter(|t| t % 2 == 0).collect();
+    // SAFETY: live handle, `keep` holds its length.
+    assert_eq!(unsafe { dspark_draft_restrict_vocab(draft, keep.as_ptr(), keep.len()) }, DsparkStatus::Ok);
+    // SAFETY: as above; a second restriction is refused.
+    assert_eq!(
+        unsafe { dspark_draft_restrict_vocab(draft, keep.as_ptr(), keep.len()) },
+        DsparkStatus::InvalidArgument
+    );
+    for case in cases("spec_greedy") {
+        let prompt = ids(&case["input_ids"]);
+        let (tokens, _) = generate(&target, draft, &prompt, 24);
+        let reference = plain
+            .generate(&[Request { prompt: prompt.clone(), params: SamplingParams::greedy(24) }])
+            .unwrap()
+            .remove(0);
+        assert_eq!(tokens, reference.tokens, "restricted draft, {}", case["id"]);
+    }
+    // SAFETY: handle from dspark_draft_create, freed once.
+    unsafe { dspark_draft_free(draft) };
+}
+
+#[test]
 fn speculator_calls_report_bad_input_as_status_codes() {
     let dir = golden().join("tiny-qwen3");
     let (embed, head) = target_weights(&dir);
