@@ -243,7 +243,8 @@ fn restricted_base_logits_are_the_whole_vocabulary_columns() {
         let (_, lf) = full.block_forward(&[(sf, anchor)]).unwrap();
         let (_, lp) = part.block_forward(&[(sp, anchor)]).unwrap();
         assert_eq!(lp.dims(), [8, vocab.len()], "{dtype:?}");
-        let (lf, lp) = (lf.into_data().to_vec::<f32>().unwrap(), lp.into_data().to_vec::<f32>().unwrap());
+        let read = |t: burn::tensor::Tensor<2>| t.into_data().convert::<f32>().try_into_vec::<f32>().unwrap();
+        let (lf, lp) = (read(lf), read(lp));
         let mut worst = 0.0f32;
         for r in 0..8 {
             for (i, &tok) in vocab.ids().iter().enumerate() {
