@@ -8,7 +8,7 @@ import time
 import pytest
 
 import dspark
-from conftest import DRAFT, GOLDEN, TARGET, read_safetensors
+from conftest import DRAFT, GOLDEN, REPO, TARGET, read_safetensors
 
 
 def cases(golden, kind):
@@ -276,6 +276,27 @@ def test_restricted_draft_vocabulary_keeps_greedy_output(target_engine, golden_c
         dspark.Engine(TARGET, draft_vocab=128)
     with pytest.raises(dspark.InvalidInputError, match="outside|1..="):
         dspark.Engine(TARGET, draft=DRAFT, draft_vocab=100_000)
+
+
+def test_draft_vocabulary_ranked_by_a_corpus(tmp_path):
+    # The trained pair (it has a tokenizer): a draft vocabulary counted from a small corpus
+    # folder (a file that is not text is skipped) keeps the greedy output.
+    target, draft = REPO / "models" / "tiny-code-qwen3", REPO / "models" / "tiny-code-dspark"
+    corpus = tmp_path / "corpus"
+    (corpus / "src").mkdir(parents=True)
+    (corpus / "src" / "a.py").write_text("def add(x, y):\n    return x + y\n\n" * 40)
+    (corpus / "b.bin").write_bytes(b"\xff\xfe\x00\x81")
+    params = dspark.SamplingParams(32)
+    prompt = "def main():\n    "
+    plain = dspark.Engine(target).generate(prompt, params)
+    spec = dspark.Engine(target, draft=draft, draft_vocab=256, draft_vocab_corpus=corpus)
+    out = spec.generate(prompt, params)
+    assert out.token_ids == plain.token_ids
+    assert out.stats.drafted > 0
+    with pytest.raises(dspark.TextError, match="no UTF-8 text"):
+        dspark.Engine(target, draft=draft, draft_vocab=256, draft_vocab_corpus=corpus / "b.bin")
+    with pytest.raises(dspark.InvalidInputError, match="draft_vocab_corpus needs draft_vocab"):
+        dspark.Engine(target, draft=draft, draft_vocab_corpus=corpus)
 
 
 def test_two_sync_rounds_keep_greedy_output(target_engine, golden_cases):
