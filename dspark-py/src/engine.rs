@@ -174,6 +174,14 @@ fn one_or_many(py: Python<'_>, mut results: Vec<Generation>, single: bool) -> Py
     }
 }
 
+/// `Engine(draft_vocab=...)`: a size (the most frequent tokens of `draft_vocab_corpus`, else
+/// the first ids) or the token ids themselves.
+#[derive(FromPyObject)]
+enum DraftVocabArg {
+    Size(usize),
+    Ids(Vec<u32>),
+}
+
 #[pymethods]
 impl Engine {
     #[new]
@@ -198,7 +206,7 @@ impl Engine {
         draft_page_size: Option<usize>,
         draft_fp8: bool,
         draft_fp8_head: bool,
-        draft_vocab: Option<usize>,
+        draft_vocab: Option<DraftVocabArg>,
         draft_vocab_corpus: Option<PathBuf>,
         one_sync_rounds: bool,
         tokenizer: Option<PathBuf>,
@@ -214,8 +222,8 @@ impl Engine {
         if draft_vocab.is_some() && draft.is_none() {
             return Err(invalid("draft_vocab needs a draft"));
         }
-        if draft_vocab_corpus.is_some() && draft_vocab.is_none() {
-            return Err(invalid("draft_vocab_corpus needs draft_vocab"));
+        if draft_vocab_corpus.is_some() && !matches!(draft_vocab, Some(DraftVocabArg::Size(_))) {
+            return Err(invalid("draft_vocab_corpus needs draft_vocab as a number of tokens"));
         }
         let device: DeviceKind = device.parse().map_err(|e| Failure::from(e).into_py(py))?;
         let dtype: ComputeDtype = dtype.parse().map_err(|e| Failure::from(e).into_py(py))?;
@@ -271,14 +279,17 @@ impl Engine {
                     if draft_fp8_head {
                         d.quantize_lm_head()?;
                     }
-                    if let Some(k) = draft_vocab {
+                    if let Some(arg) = &draft_vocab {
                         let v = model.config().vocab_size;
-                        let vocab = match (&draft_vocab_corpus, &tok) {
-                            (None, _) => dspark::DraftVocab::leading(k, v)?,
-                            (Some(corpus), Some(t)) => {
-                                dspark::DraftVocab::most_frequent(&t.corpus_counts(corpus, v)?.0, k)?
+                        let vocab = match (arg, &draft_vocab_corpus, &tok) {
+                            (DraftVocabArg::Ids(ids), _, _) => {
+                                dspark::DraftVocab::new(ids.iter().copied(), v)?
                             }
-                            (Some(_), None) => {
+                            (DraftVocabArg::Size(k), None, _) => dspark::DraftVocab::leading(*k, v)?,
+                            (DraftVocabArg::Size(k), Some(corpus), Some(t)) => {
+                                dspark::DraftVocab::most_frequent(&t.corpus_counts(corpus, v)?.0, *k)?
+                            }
+                            (DraftVocabArg::Size(_), Some(_), None) => {
                                 return Err(dspark::Error::InvalidInput(
                                     "draft_vocab_corpus needs the target's tokenizer".into(),
                                 )

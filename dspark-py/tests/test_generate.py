@@ -297,6 +297,11 @@ def test_draft_vocabulary_ranked_by_a_corpus(tmp_path):
         dspark.Engine(target, draft=draft, draft_vocab=256, draft_vocab_corpus=corpus / "b.bin")
     with pytest.raises(dspark.InvalidInputError, match="draft_vocab_corpus needs draft_vocab"):
         dspark.Engine(target, draft=draft, draft_vocab_corpus=corpus)
+    with pytest.raises(dspark.InvalidInputError, match="draft_vocab_corpus needs draft_vocab"):
+        dspark.Engine(target, draft=draft, draft_vocab=[1, 2, 3], draft_vocab_corpus=corpus)
+    # The ids themselves, as a serving process would keep them.
+    ids = dspark.Engine(target, draft=draft, draft_vocab=list(range(0, 4096, 3)))
+    assert ids.generate(prompt, params).token_ids == plain.token_ids
 
 
 def test_two_sync_rounds_keep_greedy_output(target_engine, golden_cases):

@@ -354,12 +354,13 @@ class Engine:
             distribution; acceptance may drop a little. Needs ``draft``.
         draft_fp8_head: also give the draft an FP8 copy of the LM head for its base logits (the
             target's logits stay exact). Needs ``draft_fp8``.
-        draft_vocab: let the draft propose only this many tokens (a draft vocabulary: fewer
-            LM-head and Markov rows read per round; outputs keep the target's distribution,
-            acceptance may fall): the most frequent in ``draft_vocab_corpus``, else the first
-            ids. Needs ``draft``.
+        draft_vocab: let the draft propose only some tokens (a draft vocabulary: fewer LM-head
+            and Markov rows read per round; outputs keep the target's distribution, acceptance
+            may fall): a number of tokens (the most frequent in ``draft_vocab_corpus``, else the
+            first ids) or the token ids themselves (filled up to a multiple of 64 with the
+            lowest ids missing). Needs ``draft``.
         draft_vocab_corpus: a text file, or a folder read recursively, whose token counts rank
-            the draft vocabulary. Needs ``draft_vocab`` and a tokenizer.
+            the draft vocabulary. Needs ``draft_vocab`` as a number and a tokenizer.
         one_sync_rounds: let fixed-width rounds wait on the device once (drafts merged into the
             verify on the device; CUDA with recorded graphs); ``False`` reads the drafts before
             the verify. Outputs are the same either way.
@@ -390,7 +391,7 @@ class Engine:
         draft_page_size: Optional[int] = None,
         draft_fp8: bool = False,
         draft_fp8_head: bool = False,
-        draft_vocab: Optional[int] = None,
+        draft_vocab: Union[int, Sequence[int], None] = None,
         draft_vocab_corpus: Optional[StrPath] = None,
         one_sync_rounds: bool = True,
         tokenizer: Optional[StrPath] = None,
