@@ -5,6 +5,8 @@
 //! dspark generate --target DIR --prompt "..."  # text in, text out (needs tokenizer.json)
 //! dspark generate --target DIR --prompt-ids 1,2,3 --json
 //! dspark score --target DIR --token-ids 1,2,3 --json
+//! dspark draft-vocab --target DIR --corpus TEXTS --tokens 32768 > vocab.txt
+//! dspark generate --target DIR --draft DRAFT --draft-vocab-ids vocab.txt --prompt "..."
 //! ```
 
 use std::io::Write;
@@ -37,6 +39,22 @@ enum Command {
     /// Speculative vs target-only greedy generation with the small trained pair embedded in this
     /// binary (no download, CPU).
     Demo(DemoArgs),
+    /// Rank a corpus's tokens and print the K most frequent ids, one line, comma-separated: a
+    /// draft vocabulary for `generate --draft-vocab-ids`, counted once.
+    DraftVocab(DraftVocabArgs),
+}
+
+#[derive(Args)]
+struct DraftVocabArgs {
+    /// Target checkpoint folder (its tokenizer.json and config.json).
+    #[arg(long)]
+    target: PathBuf,
+    /// A text file, or a folder read recursively (files that are not UTF-8 are skipped).
+    #[arg(long)]
+    corpus: PathBuf,
+    /// How many tokens.
+    #[arg(long)]
+    tokens: usize,
 }
 
 #[derive(Args)]
@@ -127,6 +145,10 @@ struct GenerateArgs {
     /// (files that are not UTF-8 are skipped).
     #[arg(long, requires = "draft_vocab")]
     draft_vocab_corpus: Option<PathBuf>,
+    /// The draft vocabulary's token ids, from a file (separated by commas or white space; the
+    /// output of `dspark draft-vocab`).
+    #[arg(long, requires = "draft", conflicts_with = "draft_vocab")]
+    draft_vocab_ids: Option<PathBuf>,
     /// Verify width in rows (anchor + drafts), 1..=γ+1; default: all γ drafts.
     #[arg(long, requires = "draft", conflicts_with = "confidence_threshold")]
     verify_width: Option<usize>,
@@ -167,6 +189,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate(args),
         Command::Score(args) => score(args),
         Command::Demo(args) => demo(args),
+        Command::DraftVocab(args) => draft_vocab_command(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -187,8 +210,38 @@ struct DraftSpec<'a> {
     dir: &'a Path,
     fp8: bool,
     fp8_head: bool,
-    /// Tokens of the draft vocabulary, and the corpus that ranks them.
-    vocab: Option<(usize, Option<&'a Path>)>,
+    /// The draft vocabulary, if restricted.
+    vocab: Option<VocabSource<'a>>,
+}
+
+/// Where a restricted draft vocabulary comes from.
+enum VocabSource<'a> {
+    /// The K most frequent tokens of a corpus, else the first K ids.
+    Count(usize, Option<&'a Path>),
+    /// A file of ids.
+    Ids(&'a Path),
+}
+
+/// The ids of a `--draft-vocab-ids` file.
+fn read_ids(path: &Path) -> dspark::Result<Vec<u32>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| dspark::Error::InvalidInput(format!("{}: {e}", path.display())))?;
+    text.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| {
+            s.parse::<u32>().map_err(|e| {
+                dspark::Error::InvalidInput(format!("{}: {s:?} is not a token id: {e}", path.display()))
+            })
+        })
+        .collect()
+}
+
+fn draft_vocab_command(args: DraftVocabArgs) -> dspark::Result<()> {
+    let config = dspark::Qwen3Config::from_dir(&args.target)?;
+    let vocab = draft_vocab(args.tokens, Some(&args.corpus), &args.target, config.vocab_size)?;
+    let ids: Vec<String> = vocab.ids().iter().map(u32::to_string).collect();
+    println!("{}", ids.join(","));
+    Ok(())
 }
 
 /// The draft vocabulary of `--draft-vocab K [--draft-vocab-corpus PATH]` for a target of
@@ -257,9 +310,13 @@ fn load_speculative(
                 bar.set_message("FP8 copy of the LM head");
                 draft.quantize_lm_head()?;
             }
-            if let Some((tokens, corpus)) = spec.vocab {
+            if let Some(source) = spec.vocab {
                 bar.set_message("draft vocabulary");
-                let vocab = draft_vocab(tokens, corpus, &model.target, target.config().vocab_size)?;
+                let v = target.config().vocab_size;
+                let vocab = match source {
+                    VocabSource::Count(tokens, corpus) => draft_vocab(tokens, corpus, &model.target, v)?,
+                    VocabSource::Ids(path) => dspark::DraftVocab::new(read_ids(path)?, v)?,
+                };
                 draft.restrict_vocab(vocab)?;
             }
             Engine::with_draft(target, Box::new(draft), &config)
@@ -307,7 +364,11 @@ fn generate(args: GenerateArgs) -> dspark::Result<()> {
         dir,
         fp8: args.draft_fp8,
         fp8_head: args.draft_fp8_head,
-        vocab: args.draft_vocab.map(|k| (k, args.draft_vocab_corpus.as_deref())),
+        vocab: match (args.draft_vocab, &args.draft_vocab_ids) {
+            (Some(k), _) => Some(VocabSource::Count(k, args.draft_vocab_corpus.as_deref())),
+            (None, Some(path)) => Some(VocabSource::Ids(path)),
+            (None, None) => None,
+        },
     });
     let mut engine = load_speculative(&args.model, draft, verify, args.cost_table.as_deref(), args.json)?;
     let mut stop = args.stop_token_ids.clone();
