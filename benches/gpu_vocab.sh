@@ -3,11 +3,12 @@
 # proposes only K tokens reads only their LM-head rows and Markov `W2` rows.
 # Expects prebuilt binaries, xz-compressed, in out/carry: gpu_golden and bench-draft (see
 # benches/gpu_round.sh for the build).
-#   check: gpu_golden `restricted`: the trained pair's draft (bf16; FP8 + FP8 head) restricted to
-#          2048 of 4096 tokens gives target-only greedy output (τ beside the whole vocabulary's);
-#          the golden pair's FP8 draft restricted to 64 of 512 tokens samples the target's
-#          distribution (χ²); the Qwen3-8B-shaped FP8 + FP8-head draft restricted to 32 768 of
-#          151 936 tokens is lossless on 4 lanes.
+#   check: gpu_golden `trained_pair_fp8`, `fp8_draft_sampled` and `qwen3_8b_shapes_fp8`: the trained
+#          pair's draft (bf16; FP8 + FP8 head) restricted to 2048 of 4096 tokens gives
+#          target-only greedy output (τ beside the whole vocabulary's); the golden pair's FP8
+#          draft restricted to 64 of 512 tokens samples the target's distribution (χ²); the
+#          Qwen3-8B-shaped FP8 + FP8-head draft, whole and restricted to 32 768 of 151 936
+#          tokens, is lossless on 4 lanes.
 #   bench: bench-draft, γ = 7c and 16, bf16 and FP8 + FP8 head, whole vocabulary against the
 #          first 32 768 ids (one process); then γ = 7c FP8 + FP8 head at 16 384 and 65 536.
 #   repeat: γ = 7c FP8 + FP8 head, whole vocabulary against 32 768 and 16 384 ids, 30
@@ -20,7 +21,8 @@ PHASE=${1:-check}
 
 case "$PHASE" in
 check)
-    timeout 250 out/bin/gpu_golden --test-threads=1 --nocapture restricted > "$OUT/gpu_golden-vocab.log" 2>&1
+    timeout 300 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair_fp8 fp8_draft_sampled qwen3_8b_shapes_fp8 \
+        > "$OUT/gpu_golden-vocab.log" 2>&1
     echo "gpu_golden exit $?"
     grep -E "^test |test result|panicked|tau|chi2|divergence|MiB" "$OUT/gpu_golden-vocab.log" | cut -c1-200
     ;;

@@ -172,6 +172,19 @@ fn generate(
     (tokens, rounds)
 }
 
+/// Every golden greedy case through the C calls with `draft` equals target-only output.
+fn assert_greedy_like_target_only(target: &Qwen3, plain: &mut Engine, draft: *mut DsparkDraft, what: &str) {
+    for case in cases("spec_greedy") {
+        let prompt = ids(&case["input_ids"]);
+        let (tokens, _) = generate(target, draft, &prompt, 24);
+        let reference = plain
+            .generate(&[Request { prompt: prompt.clone(), params: SamplingParams::greedy(24) }])
+            .unwrap()
+            .remove(0);
+        assert_eq!(tokens, reference.tokens, "{what}, {}", case["id"]);
+    }
+}
+
 #[test]
 fn speculator_calls_reproduce_the_reference_greedy_run_for_both_layouts() {
     let dir = golden().join("tiny-qwen3");
@@ -217,15 +230,7 @@ fn an_fp8_draft_behind_the_c_calls_keeps_greedy_output() {
         let params = DsparkDraftParams { fp8, ..dspark_draft_default_params() };
         let (status, draft) = create_draft_with("tiny-dspark", &embed, &head, Some(&params));
         assert_eq!(status, DsparkStatus::Ok);
-        for case in cases("spec_greedy") {
-            let prompt = ids(&case["input_ids"]);
-            let (tokens, _) = generate(&target, draft, &prompt, 24);
-            let reference = plain
-                .generate(&[Request { prompt: prompt.clone(), params: SamplingParams::greedy(24) }])
-                .unwrap()
-                .remove(0);
-            assert_eq!(tokens, reference.tokens, "fp8 setting {fp8}, {}", case["id"]);
-        }
+        assert_greedy_like_target_only(&target, &mut plain, draft, &format!("fp8 setting {fp8}"));
         // SAFETY: handle from dspark_draft_create, freed once.
         unsafe { dspark_draft_free(draft) };
     }
@@ -262,15 +267,7 @@ fn a_restricted_draft_behind_the_c_calls_keeps_greedy_output() {
         unsafe { dspark_draft_restrict_vocab(draft, keep.as_ptr(), keep.len()) },
         DsparkStatus::InvalidArgument
     );
-    for case in cases("spec_greedy") {
-        let prompt = ids(&case["input_ids"]);
-        let (tokens, _) = generate(&target, draft, &prompt, 24);
-        let reference = plain
-            .generate(&[Request { prompt: prompt.clone(), params: SamplingParams::greedy(24) }])
-            .unwrap()
-            .remove(0);
-        assert_eq!(tokens, reference.tokens, "restricted draft, {}", case["id"]);
-    }
+    assert_greedy_like_target_only(&target, &mut plain, draft, "restricted draft");
     // SAFETY: handle from dspark_draft_create, freed once.
     unsafe { dspark_draft_free(draft) };
 }

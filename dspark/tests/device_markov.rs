@@ -6,23 +6,15 @@
 
 mod common;
 
-use common::{heldout_prompts, models};
-use dspark::{
-    DSparkDraft, DraftCacheConfig, Engine, EngineConfig, LoadOptions, Qwen3, Request, SamplingParams,
-};
+use common::heldout_prompts;
+use dspark::{DSparkDraft, Engine, EngineConfig, Qwen3, Request, SamplingParams};
 
 fn target() -> Qwen3 {
-    Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap()
+    common::trained_target()
 }
 
 fn draft(target: &Qwen3) -> DSparkDraft {
-    DSparkDraft::load(
-        &models().join("tiny-code-dspark"),
-        target,
-        LoadOptions::default(),
-        &DraftCacheConfig::default(),
-    )
-    .unwrap()
+    common::trained_draft(target)
 }
 
 fn engine(device_markov: bool) -> Engine {

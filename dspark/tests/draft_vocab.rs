@@ -6,25 +6,11 @@
 
 mod common;
 
-use common::{golden, heldout_prompts, models, prompts, stats};
+use common::{golden, heldout_prompts, models, prompts, stats, trained_draft, trained_target};
 use dspark::{
     DSparkDraft, DraftCacheConfig, DraftVocab, Engine, EngineConfig, KvCache, LoadOptions, LogitRows,
     PagedKvCache, ProposeLane, Qwen3, Request, SamplingParams, SeqChunk, SeqId, Speculator,
 };
-
-fn trained_target() -> Qwen3 {
-    Qwen3::load(&models().join("tiny-code-qwen3"), LoadOptions::default()).unwrap()
-}
-
-fn trained_draft(target: &Qwen3) -> DSparkDraft {
-    DSparkDraft::load(
-        &models().join("tiny-code-dspark"),
-        target,
-        LoadOptions::default(),
-        &DraftCacheConfig::default(),
-    )
-    .unwrap()
-}
 
 /// The trained pair's draft restricted to its vocabulary's first `tokens` ids.
 fn restricted(target: &Qwen3, tokens: usize, device_markov: bool) -> DSparkDraft {

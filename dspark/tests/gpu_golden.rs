@@ -392,8 +392,15 @@ fn cuda_bf16_trained_pair_fp8_draft_greedy_speculative_equals_target_only() {
     let target = || Qwen3::load(&models().join("tiny-code-qwen3"), opts()).unwrap();
     let requests = trained_requests(8, 96);
     let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
-    for (what, quant, head) in [("bf16", false, false), ("fp8", true, false), ("fp8 + fp8 head", true, true)]
-    {
+    // And restricted to a draft vocabulary of 2048 of its 4096 tokens (`restrict_vocab`): still
+    // lossless, at a lower τ.
+    for (what, quant, head, vocab) in [
+        ("bf16", false, false, 0),
+        ("bf16", false, false, 2048),
+        ("fp8", true, false, 0),
+        ("fp8 + fp8 head", true, true, 0),
+        ("fp8 + fp8 head", true, true, 2048),
+    ] {
         let t = target();
         let dir = models().join("tiny-code-dspark");
         let cache = DraftCacheConfig::default();
@@ -406,6 +413,10 @@ fn cuda_bf16_trained_pair_fp8_draft_greedy_speculative_equals_target_only() {
         if head {
             d.quantize_lm_head().unwrap();
         }
+        if vocab > 0 {
+            d.restrict_vocab(dspark::DraftVocab::leading(vocab, 4096).unwrap()).unwrap();
+        }
+        let what = if vocab > 0 { format!("{what}, draft vocabulary {vocab}") } else { what.to_string() };
         let mut spec = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
         let out = spec.generate(&requests).unwrap();
         let (mut generated, mut rounds) = (0, 0);
@@ -426,38 +437,56 @@ fn cuda_bf16_trained_pair_fp8_draft_greedy_speculative_equals_target_only() {
 
 #[test]
 fn cuda_bf16_fp8_draft_sampled_output_has_the_target_distribution() {
+    // The golden pair's FP8 + FP8-head draft, then the same restricted to a draft vocabulary of
+    // 64 of 512 tokens (the 24 likeliest second tokens and the lowest ids): the second token
+    // follows the target either way.
+    use dspark::DraftVocab;
     use dspark::model::fp8::DraftQuant;
     let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
     let target = || Qwen3::load(&golden().join("tiny-qwen3"), opts()).unwrap();
     let prompt = prompts()[0].clone();
     let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
     let exact = stats::exact_second_token(&target(), &prompt, &params, 0.0);
-    let t = target();
-    let mut d = DSparkDraft::load_quantized(
-        &golden().join("tiny-dspark"),
-        &t,
-        opts(),
-        &DraftCacheConfig::default(),
-        DraftQuant::Fp8PerChannel,
-    )
-    .unwrap();
-    assert_eq!(d.fp8_on_device(), 15);
-    d.quantize_lm_head().unwrap();
-    let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
-    let counts = stats::second_token_counts(&mut e, &prompt, &params, 3000);
-    let (stat, df) = stats::chi_square(&counts, &exact);
-    let limit = stats::chi_square_limit(df);
-    println!("cuda bf16 FP8 draft + FP8 head, second token: chi2 {stat:.1} on {df} df (limit {limit:.1})");
-    assert!(stat < limit, "chi2 {stat:.1} ≥ {limit:.1} on {df} df");
+    let counts: Vec<u64> = exact.iter().map(|p| (p * 1e9) as u64).collect();
+    for restricted in [false, true] {
+        let t = target();
+        let mut d = DSparkDraft::load_quantized(
+            &golden().join("tiny-dspark"),
+            &t,
+            opts(),
+            &DraftCacheConfig::default(),
+            DraftQuant::Fp8PerChannel,
+        )
+        .unwrap();
+        assert_eq!(d.fp8_on_device(), 15);
+        d.quantize_lm_head().unwrap();
+        if restricted {
+            d.restrict_vocab(DraftVocab::most_frequent(&counts, 24).unwrap()).unwrap();
+        }
+        let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+        let counted = stats::second_token_counts(&mut e, &prompt, &params, 3000);
+        let (stat, df) = stats::chi_square(&counted, &exact);
+        let limit = stats::chi_square_limit(df);
+        let s = e.last_stats();
+        let what = if restricted { ", 64 of 512 tokens" } else { "" };
+        println!(
+            "cuda bf16 FP8 draft + FP8 head{what}, second token: chi2 {stat:.1} on {df} df (limit {limit:.1}); {} of {} drafts accepted",
+            s.accepted, s.drafted
+        );
+        assert!(stat < limit, "{what}: chi2 {stat:.1} ≥ {limit:.1} on {df} df");
+        assert!(s.accepted > 0 && s.accepted < s.drafted, "the acceptance rule was not exercised: {s:?}");
+    }
 }
 
 #[test]
 fn cuda_bf16_qwen3_8b_shapes_fp8_draft_is_lossless() {
     // A DSpark-shaped random draft quantised to FP8 (kept as FP8) with an FP8 LM head, against
-    // a Qwen3-8B-shaped random target: greedy speculative output equals target-only output.
-    use dspark::TargetBinding;
+    // a Qwen3-8B-shaped random target: greedy speculative output equals target-only output,
+    // with the whole vocabulary and restricted to its first 32 768 of 151 936 tokens (the
+    // draft's own copy of those FP8 head rows).
     use dspark::model::fp8::DraftQuant;
-
+    use dspark::{DraftVocab, TargetBinding};
+    staged_switches();
     let config = qwen3_8b();
     let target = || {
         CUDA.device().unwrap().seed(8);
@@ -470,149 +499,42 @@ fn cuda_bf16_qwen3_8b_shapes_fp8_draft_is_lossless() {
         })
         .collect();
     let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
-    let t = target();
-    let draft_config = dspark_draft_8b(&config);
-    let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
-    let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&t), &cache).unwrap();
-    let bf16_bytes = draft.weight_bytes();
-    draft.quantize(DraftQuant::Fp8PerChannel).unwrap();
-    let head = draft.quantize_lm_head().unwrap();
-    assert_eq!(draft.fp8_on_device(), 36);
-    println!(
-        "qwen3-8b shapes: draft weights {:.0} MiB in bf16, {:.0} MiB in FP8 with a {:.0} MiB FP8 LM head",
-        bf16_bytes as f64 / 1048576.0,
-        draft.weight_bytes() as f64 / 1048576.0,
-        head as f64 / 1048576.0
-    );
-    let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
-    let out = spec.generate(&requests).unwrap();
-    for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
-        let first = o.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
-        println!(
-            "qwen3-8b shapes, FP8 draft, lane {i}: first divergence {first:?}, {} rounds",
-            o.stats.rounds
-        );
-        assert_eq!(first, None, "lane {i}: speculative with an FP8 draft and target-only differ");
-    }
-}
-
-#[test]
-fn cuda_bf16_restricted_draft_is_lossless() {
-    // A draft vocabulary (`restrict_vocab`) on the device pass and the recorded rounds: the
-    // trained pair's draft (bf16, then FP8 + FP8 head) restricted to its first 2048 tokens gives
-    // target-only greedy output (τ beside the whole vocabulary's), and the golden pair's FP8
-    // draft restricted to 64 of 512 tokens samples the target's distribution.
-    use dspark::DraftVocab;
-    use dspark::model::fp8::DraftQuant;
-    let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
-    let target = || Qwen3::load(&models().join("tiny-code-qwen3"), opts()).unwrap();
-    let requests = trained_requests(8, 96);
-    let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
-    for (what, quant, vocab) in [
-        ("bf16", false, 0),
-        ("bf16", false, 2048),
-        ("fp8 + fp8 head", true, 0),
-        ("fp8 + fp8 head", true, 2048),
-    ] {
+    for restricted in [false, true] {
         let t = target();
-        let dir = models().join("tiny-code-dspark");
-        let cache = DraftCacheConfig::default();
-        let mut d = if quant {
-            DSparkDraft::load_quantized(&dir, &t, opts(), &cache, DraftQuant::Fp8PerChannel).unwrap()
+        let draft_config = dspark_draft_8b(&config);
+        let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
+        let mut draft = DSparkDraft::random(draft_config, TargetBinding::of(&t), &cache).unwrap();
+        let bf16_bytes = draft.weight_bytes();
+        draft.quantize(DraftQuant::Fp8PerChannel).unwrap();
+        let head = draft.quantize_lm_head().unwrap();
+        assert_eq!(draft.fp8_on_device(), 36);
+        let what = if restricted {
+            let rows = draft.restrict_vocab(DraftVocab::leading(32_768, config.vocab_size).unwrap()).unwrap();
+            println!(
+                "qwen3-8b shapes: FP8 LM head {:.0} MiB, its 32 768 draft rows {:.0} MiB",
+                head as f64 / 1048576.0,
+                rows as f64 / 1048576.0
+            );
+            "restricted FP8 draft"
         } else {
-            DSparkDraft::load(&dir, &t, opts(), &cache).unwrap()
+            println!(
+                "qwen3-8b shapes: draft weights {:.0} MiB in bf16, {:.0} MiB in FP8 with a {:.0} MiB FP8 LM head",
+                bf16_bytes as f64 / 1048576.0,
+                draft.weight_bytes() as f64 / 1048576.0,
+                head as f64 / 1048576.0
+            );
+            "FP8 draft"
         };
-        if quant {
-            d.quantize_lm_head().unwrap();
-        }
-        if vocab > 0 {
-            d.restrict_vocab(DraftVocab::leading(vocab, 4096).unwrap()).unwrap();
-        }
-        let mut spec = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
+        let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
         let out = spec.generate(&requests).unwrap();
-        let (mut generated, mut rounds) = (0, 0);
         for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
             let first = o.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
-            assert_eq!(first, None, "{what}, vocab {vocab}, prompt {i}: speculative and target-only differ");
-            generated += o.tokens.len() - 1;
-            rounds += o.stats.rounds;
+            println!(
+                "qwen3-8b shapes, {what}, lane {i}: first divergence {first:?}, {} rounds",
+                o.stats.rounds
+            );
+            assert_eq!(first, None, "lane {i}: speculative with the {what} and target-only differ");
         }
-        println!(
-            "cuda bf16 trained pair, draft {what}, draft vocabulary {}: greedy equal on {} prompts × 96, tau {:.3}",
-            if vocab == 0 { "whole (4096)".to_string() } else { vocab.to_string() },
-            requests.len(),
-            generated as f64 / rounds as f64
-        );
-    }
-    let opts = || LoadOptions { device: CUDA, dtype: ComputeDtype::Bf16, progress: None };
-    let target = || Qwen3::load(&golden().join("tiny-qwen3"), opts()).unwrap();
-    let prompt = prompts()[0].clone();
-    let params = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
-    let exact = stats::exact_second_token(&target(), &prompt, &params, 0.0);
-    let counts: Vec<u64> = exact.iter().map(|p| (p * 1e9) as u64).collect();
-    let t = target();
-    let mut d = DSparkDraft::load_quantized(
-        &golden().join("tiny-dspark"),
-        &t,
-        opts(),
-        &DraftCacheConfig::default(),
-        DraftQuant::Fp8PerChannel,
-    )
-    .unwrap();
-    d.quantize_lm_head().unwrap();
-    d.restrict_vocab(DraftVocab::most_frequent(&counts, 24).unwrap()).unwrap();
-    let mut e = Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap();
-    let counted = stats::second_token_counts(&mut e, &prompt, &params, 3000);
-    let (stat, df) = stats::chi_square(&counted, &exact);
-    let limit = stats::chi_square_limit(df);
-    let s = e.last_stats();
-    println!(
-        "cuda bf16 FP8 draft + FP8 head, 64 of 512 tokens, second token: chi2 {stat:.1} on {df} df (limit {limit:.1}); {} of {} drafts accepted",
-        s.accepted, s.drafted
-    );
-    assert!(stat < limit, "chi2 {stat:.1} ≥ {limit:.1} on {df} df");
-    assert!(s.accepted > 0 && s.accepted < s.drafted, "the acceptance rule was not exercised: {s:?}");
-}
-
-#[test]
-fn cuda_bf16_qwen3_8b_shapes_restricted_fp8_draft_is_lossless() {
-    // The FP8 + FP8-head draft at DSpark shapes restricted to the first 32 768 of 151 936 tokens
-    // (its own 128 MiB copy of those head rows): greedy speculative output equals target-only.
-    use dspark::model::fp8::DraftQuant;
-    use dspark::{DraftVocab, TargetBinding};
-    staged_switches();
-    let config = qwen3_8b();
-    let target = || {
-        CUDA.device().unwrap().seed(8);
-        Qwen3::random(config.clone(), ComputeDtype::Bf16, CUDA).unwrap()
-    };
-    let requests: Vec<Request> = (0..4)
-        .map(|l| Request {
-            prompt: (0..7 + 13 * l).map(|i| ((i * 7919 + l * 104_729) % 30_000) as u32).collect(),
-            params: SamplingParams::greedy(64),
-        })
-        .collect();
-    let reference = Engine::new(target(), &EngineConfig::default()).unwrap().generate(&requests).unwrap();
-    let t = target();
-    let cache = DraftCacheConfig { kv_budget_bytes: 1 << 30, ..DraftCacheConfig::default() };
-    let mut draft = DSparkDraft::random(dspark_draft_8b(&config), TargetBinding::of(&t), &cache).unwrap();
-    draft.quantize(DraftQuant::Fp8PerChannel).unwrap();
-    let head = draft.quantize_lm_head().unwrap();
-    let rows = draft.restrict_vocab(DraftVocab::leading(32_768, config.vocab_size).unwrap()).unwrap();
-    println!(
-        "qwen3-8b shapes: FP8 LM head {:.0} MiB, its 32 768 draft rows {:.0} MiB",
-        head as f64 / 1048576.0,
-        rows as f64 / 1048576.0
-    );
-    let mut spec = Engine::with_draft(t, Box::new(draft), &EngineConfig::default()).unwrap();
-    let out = spec.generate(&requests).unwrap();
-    for (i, (o, r)) in out.iter().zip(&reference).enumerate() {
-        let first = o.tokens.iter().zip(&r.tokens).position(|(a, b)| a != b);
-        println!(
-            "qwen3-8b shapes, restricted FP8 draft, lane {i}: first divergence {first:?}, {} rounds",
-            o.stats.rounds
-        );
-        assert_eq!(first, None, "lane {i}: speculative with a restricted draft and target-only differ");
     }
 }
 

@@ -25,6 +25,22 @@ pub fn models() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models"))
 }
 
+/// The trained pair's target (`models/tiny-code-qwen3`), CPU f32.
+pub fn trained_target() -> dspark::Qwen3 {
+    dspark::Qwen3::load(&models().join("tiny-code-qwen3"), dspark::LoadOptions::default()).unwrap()
+}
+
+/// The trained pair's draft (`models/tiny-code-dspark`) for `target`, CPU f32.
+pub fn trained_draft(target: &dspark::Qwen3) -> dspark::DSparkDraft {
+    dspark::DSparkDraft::load(
+        &models().join("tiny-code-dspark"),
+        target,
+        dspark::LoadOptions::default(),
+        &dspark::DraftCacheConfig::default(),
+    )
+    .unwrap()
+}
+
 /// The held-out prompts of the trained pair's Rust cross-check (`models/report.json`), at most
 /// `n` of them.
 pub fn heldout_prompts(n: usize) -> Vec<Vec<u32>> {
