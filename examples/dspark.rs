@@ -33,7 +33,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Generate a continuation of a prompt.
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Print the log-probability of every token of a sequence given the tokens before it.
     Score(ScoreArgs),
     /// Speculative vs target-only greedy generation with the small trained pair embedded in this
@@ -186,7 +186,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Generate(args) => generate(args),
+        Command::Generate(args) => generate(*args),
         Command::Score(args) => score(args),
         Command::Demo(args) => demo(args),
         Command::DraftVocab(args) => draft_vocab_command(args),
