@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::heldout_prompts;
+use common::{heldout_prompts, tau};
 use dspark::{DSparkDraft, Engine, EngineConfig, Qwen3, Request, SamplingParams};
 
 fn target() -> Qwen3 {
@@ -33,32 +33,20 @@ fn draft_after_prompt(n: usize) -> (DSparkDraft, Vec<dspark::SeqId>, u32) {
 /// [`draft_after_prompt`], with the draft quantised to FP8 (its projections and Markov `W2`)
 /// when `fp8`.
 fn draft_after_prompt_as(n: usize, fp8: bool) -> (DSparkDraft, Vec<dspark::SeqId>, u32) {
-    use dspark::{KvCache, LogitRows, PagedKvCache, SeqChunk, Speculator};
+    use dspark::Speculator;
     let t = target();
     let mut d = draft(&t);
     if fp8 {
         d.quantize(dspark::model::fp8::DraftQuant::Fp8PerChannel).unwrap();
         assert!(d.has_fp8_markov());
     }
-    let prompt = heldout_prompts(1).remove(0);
-    let mut cache = PagedKvCache::new(t.kv_layout(16), 64 << 20, t.device()).unwrap();
-    let seq = cache.allocate();
     let layers = d.feature_layers().to_vec();
-    let out = t
-        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
-        .unwrap();
-    let features = out.features.unwrap();
+    let (features, anchor) = common::heldout_prompt_features(&t, &layers);
     let seqs: Vec<_> = (0..n).map(|_| d.begin()).collect();
     for &s in &seqs {
         d.extend_context(s, features.clone()).unwrap();
     }
-    (d, seqs, *prompt.last().unwrap())
-}
-
-fn tau(out: &[dspark::Generation]) -> f64 {
-    let generated: usize = out.iter().map(|g| g.tokens.len() - 1).sum();
-    let rounds: usize = out.iter().map(|g| g.stats.rounds).sum();
-    generated as f64 / rounds as f64
+    (d, seqs, anchor)
 }
 
 #[test]

@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{golden, heldout_prompts, models, prompts, stats, trained_draft, trained_target};
+use common::{golden, heldout_prompts, models, prompts, stats, tau, trained_draft, trained_target};
 use dspark::{
-    DSparkDraft, DraftCacheConfig, DraftVocab, Engine, EngineConfig, KvCache, LoadOptions, LogitRows,
-    PagedKvCache, ProposeLane, Qwen3, Request, SamplingParams, SeqChunk, SeqId, Speculator,
+    DSparkDraft, DraftCacheConfig, DraftVocab, Engine, EngineConfig, LoadOptions, ProposeLane, Qwen3,
+    Request, SamplingParams, SeqId, Speculator,
 };
 
 /// The trained pair's draft restricted to its vocabulary's first `tokens` ids.
@@ -23,25 +23,14 @@ fn restricted(target: &Qwen3, tokens: usize, device_markov: bool) -> DSparkDraft
     d
 }
 
-fn tau(out: &[dspark::Generation]) -> f64 {
-    let generated: usize = out.iter().map(|g| g.tokens.len() - 1).sum();
-    let rounds: usize = out.iter().map(|g| g.stats.rounds).sum();
-    generated as f64 / rounds as f64
-}
-
 /// The draft with one sequence whose context is the first held-out prompt's target features,
 /// and the prompt's last token.
 fn after_prompt(target: &Qwen3, d: &mut DSparkDraft) -> (SeqId, u32) {
-    let prompt = heldout_prompts(1).remove(0);
-    let mut cache = PagedKvCache::new(target.kv_layout(16), 64 << 20, target.device()).unwrap();
-    let seq = cache.allocate();
     let layers = d.feature_layers().to_vec();
-    let out = target
-        .forward(&[SeqChunk { seq, tokens: &prompt, logits: LogitRows::Last }], &layers, &mut cache)
-        .unwrap();
+    let (features, anchor) = common::heldout_prompt_features(target, &layers);
     let dseq = d.begin();
-    d.extend_context(dseq, out.features.unwrap()).unwrap();
-    (dseq, *prompt.last().unwrap())
+    d.extend_context(dseq, features).unwrap();
+    (dseq, anchor)
 }
 
 #[test]

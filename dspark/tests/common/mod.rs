@@ -41,6 +41,25 @@ pub fn trained_draft(target: &dspark::Qwen3) -> dspark::DSparkDraft {
     .unwrap()
 }
 
+/// The target's feature rows of the first held-out prompt for `layers` (`[len, n·hidden]`), and
+/// the prompt's last token: the context and anchor of a first proposal.
+pub fn heldout_prompt_features(target: &dspark::Qwen3, layers: &[usize]) -> (burn::tensor::Tensor<2>, u32) {
+    use dspark::KvCache;
+    let prompt = heldout_prompts(1).remove(0);
+    let mut cache = dspark::PagedKvCache::new(target.kv_layout(16), 64 << 20, target.device()).unwrap();
+    let seq = cache.allocate();
+    let chunk = dspark::SeqChunk { seq, tokens: &prompt, logits: dspark::LogitRows::Last };
+    let out = target.forward(&[chunk], layers, &mut cache).unwrap();
+    (out.features.unwrap(), *prompt.last().unwrap())
+}
+
+/// Tokens per verify round over generations: (generated − 1) / rounds, summed.
+pub fn tau(out: &[dspark::Generation]) -> f64 {
+    let generated: usize = out.iter().map(|g| g.tokens.len() - 1).sum();
+    let rounds: usize = out.iter().map(|g| g.stats.rounds).sum();
+    generated as f64 / rounds as f64
+}
+
 /// The held-out prompts of the trained pair's Rust cross-check (`models/report.json`), at most
 /// `n` of them.
 pub fn heldout_prompts(n: usize) -> Vec<Vec<u32>> {
