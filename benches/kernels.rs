@@ -17,7 +17,7 @@
 
 use std::time::Instant;
 
-use burn::tensor::{DType, Device, Distribution, Tensor, TensorCreationOptions};
+use burn::tensor::{DType, Device, Distribution, Int, Tensor, TensorCreationOptions};
 use clap::Parser;
 use dspark::DeviceKind;
 
@@ -71,6 +71,14 @@ struct Args {
     /// Only the matrices whose name contains one of these, in every table (all when empty).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Only the floor of a one-row decode step's launch structure (CUDA, Qwen3-8B shapes): a bare
+    /// streaming read of each product's weight bytes and a one-cube launch for each small kernel,
+    /// recorded in a graph in the step's order (see `floor`).
+    #[arg(long)]
+    floor: bool,
+    /// Cube counts the `--floor` reads try for each size (the fastest is kept).
+    #[arg(long, value_delimiter = ',', default_value = "132,264,528,1056,2112")]
+    floor_cubes: Vec<usize>,
 }
 
 /// `(name, in, out)` of each weight.
@@ -447,6 +455,175 @@ fn markov_steps(args: &Args, device: &Device) {
     }
 }
 
+/// Median device time of one replay of what `body` launches, recorded as one graph: `reps`
+/// replays, each synchronised. `None` where no graph is recorded.
+fn time_graph_median<T>(body: impl FnMut() -> T, reps: usize, device: &Device) -> Option<f64> {
+    let mut body = body;
+    let (graph, outputs) = dspark_kernels::DeviceGraph::capture(device, || Ok::<_, ()>(body())).ok()?.ok()?;
+    let mut times = Vec::with_capacity(reps);
+    for i in 0..=reps {
+        let start = Instant::now();
+        // SAFETY: the graph reads buffers `body` borrows (alive for this function) and writes
+        // `outputs`, held until the replays are synchronised.
+        unsafe { graph.replay() }.ok()?;
+        sync(device);
+        if i > 0 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    drop(outputs);
+    times.sort_by(f64::total_cmp);
+    Some(times[times.len() / 2])
+}
+
+/// The floor of a one-row Qwen3-8B decode step's launch structure, on the device:
+///
+/// 1. each product's weight size (q/k/v, o, gate/up, down, LM head) read by a bare streaming read
+///    (`dspark_kernels::stream_read`) of 36 distinct buffers in a graph, for each cube count of
+///    `--floor-cubes` and 4 or 8 loads in flight; the fastest is kept per size;
+/// 2. a chain of 335 one-cube launches (`dspark_kernels::tick`) in a graph: the cost of a launch
+///    that does nothing but follow the one before;
+/// 3. the step's 145 reads in a graph, in the step's order, each at its size's fastest cut;
+/// 4. the same with a one-cube launch wherever the step launches a small kernel (per layer the
+///    input norm, the K/V store, attention and its combine, the second norm; at the end the
+///    final norm, the argmax's two launches and the step's input copies): 335 launches, as in
+///    the recorded step (Nsight, 2026-12-04).
+///
+/// (4) is what the step would take if every product read its weight as fast as a bare read and
+/// every small kernel cost only its launch; the measured step is `bench-target`'s.
+fn floor(args: &Args, device: &Device) {
+    const LAYERS: usize = 36;
+    let sizes: [(&str, usize); 5] = [
+        ("q/k/v", 6144 * 4096 * 2),
+        ("o", 4096 * 4096 * 2),
+        ("gate/up", 24576 * 4096 * 2),
+        ("down", 4096 * 12288 * 2),
+        ("LM head", 151_936 * 4096 * 2),
+    ];
+    let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::BF16);
+    let buffer = |bytes: usize| Tensor::<1>::zeros([bytes / 2], opts.clone());
+    // Before the 15 GB of buffers: the probes run only on this crate's CUDA kernels.
+    if dspark_kernels::stream_read(buffer(4096), Tensor::<1, Int>::zeros([256], device), 1, 4).is_none() {
+        println!("--floor needs this crate's CUDA kernels (a CUDA build and device)");
+        return;
+    }
+    // Distinct buffers per layer, as the step's weights: no read finds the one before in L2.
+    let layers: Vec<Vec<Tensor<1>>> =
+        (0..LAYERS).map(|_| sizes[..4].iter().map(|&(_, b)| buffer(b)).collect()).collect();
+    let head = buffer(sizes[4].1);
+    let max_cubes = args.floor_cubes.iter().copied().max().unwrap_or(132).max(1);
+    let out = Tensor::<1, Int>::zeros([256 * max_cubes], device);
+    sync(device);
+    println!("## Bare streaming reads, 36 distinct buffers per size in one graph (device time per read)\n");
+    println!("| size | MB | cubes | loads in flight | µs per read | TB/s |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    let mut best: Vec<(usize, usize, f64)> = Vec::new();
+    for (k, &(name, bytes)) in sizes.iter().enumerate() {
+        let bufs: Vec<Tensor<1>> =
+            if k < 4 { layers.iter().map(|l| l[k].clone()).collect() } else { vec![head.clone()] };
+        let mut fastest = (0, 0, f64::INFINITY);
+        for &cubes in &args.floor_cubes {
+            for unroll in [4, 8] {
+                let per = time_graph_median(
+                    || {
+                        bufs.iter()
+                            .filter_map(|b| {
+                                dspark_kernels::stream_read(b.clone(), out.clone(), cubes, unroll)
+                            })
+                            .collect::<Vec<_>>()
+                    },
+                    10,
+                    device,
+                )
+                .map(|t| t / bufs.len() as f64);
+                if let Some(t) = per {
+                    println!(
+                        "| {name} | {:.1} | {cubes} | {unroll} | {:.1} | {:.2} |",
+                        bytes as f64 / 1e6,
+                        t * 1e6,
+                        bytes as f64 / t / 1e12
+                    );
+                    if t < fastest.2 {
+                        fastest = (cubes, unroll, t);
+                    }
+                }
+            }
+        }
+        best.push(fastest);
+    }
+    let chain = 335;
+    let tick = Tensor::<1, Int>::zeros([1], device);
+    let ticks = time_graph_median(
+        || {
+            let mut t = tick.clone();
+            for _ in 0..chain {
+                t = dspark_kernels::tick(t).unwrap_or_else(|| tick.clone());
+            }
+            t
+        },
+        20,
+        device,
+    );
+    let read = |k: usize, b: &Tensor<1>| {
+        let (cubes, unroll, _) = best[k];
+        dspark_kernels::stream_read(b.clone(), out.clone(), cubes, unroll)
+    };
+    let reads_only = time_graph_median(
+        || {
+            let mut outs = Vec::new();
+            for l in &layers {
+                for (k, b) in l.iter().enumerate() {
+                    outs.extend(read(k, b));
+                }
+            }
+            outs.extend(read(4, &head));
+            outs
+        },
+        20,
+        device,
+    );
+    let structure = time_graph_median(
+        || {
+            let mut t = tick.clone();
+            let small = |t: Tensor<1, Int>| dspark_kernels::tick(t.clone()).unwrap_or(t);
+            let mut outs = Vec::new();
+            for l in &layers {
+                t = small(t); // input norm
+                outs.extend(read(0, &l[0]));
+                for _ in 0..3 {
+                    t = small(t); // K/V store, attention, combine
+                }
+                outs.extend(read(1, &l[1]));
+                t = small(t); // post-attention norm
+                outs.extend(read(2, &l[2]));
+                outs.extend(read(3, &l[3]));
+            }
+            t = small(t); // final norm
+            outs.extend(read(4, &head));
+            for _ in 0..9 {
+                t = small(t); // argmax (2), the step's input copies and casts (7)
+            }
+            (t, outs)
+        },
+        20,
+        device,
+    );
+    let weight_bytes = LAYERS * sizes[..4].iter().map(|&(_, b)| b).sum::<usize>() + sizes[4].1;
+    let ms = |t: Option<f64>| t.map_or("—".into(), |t| format!("{:.3}", t * 1e3));
+    println!("\n## The step's floor (one graph each, median of 20 replays)\n");
+    println!("| what | launches | ms | weight TB/s |");
+    println!("|---|---:|---:|---:|");
+    println!(
+        "| one-cube launch chain | {chain} | {} ({} µs a launch) | — |",
+        ms(ticks),
+        ticks.map_or("—".into(), |t| format!("{:.2}", t * 1e6 / chain as f64))
+    );
+    let tbs = |t: Option<f64>| t.map_or("—".into(), |t| format!("{:.2}", weight_bytes as f64 / t / 1e12));
+    println!("| the step's reads, bare | {} | {} | {} |", LAYERS * 4 + 1, ms(reads_only), tbs(reads_only));
+    println!("| reads + a one-cube launch per small kernel | 335 | {} | {} |", ms(structure), tbs(structure));
+    println!("\n(weights {:.2} GB per step)", weight_bytes as f64 / 1e9);
+}
+
 /// Largest |a − b| over the largest |b|.
 fn max_rel_diff(a: Tensor<2>, b: Tensor<2>) -> f32 {
     let a = a.into_data().convert::<f32>().try_into_vec::<f32>().unwrap_or_default();
@@ -486,6 +663,10 @@ fn main() {
     );
     if args.plans_only {
         plans_table(&args, &device);
+        return;
+    }
+    if args.floor {
+        floor(&args, &device);
         return;
     }
     println!(

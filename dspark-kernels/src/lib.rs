@@ -453,6 +453,38 @@ pub fn chain_accept(
     accept::chain_accept(p, q, lanes)
 }
 
+/// Benchmarks only (the launch-structure floor of `bench-kernels --floor`): reads every 16-byte
+/// word of `src` once with `cubes` cubes of 256 threads (`unroll` loads in flight per thread: 1,
+/// 2, 4 or 8) and nothing else; `out` (at least `256 · cubes` words) is returned, written only
+/// if the words fold to one particular value. `None` where this crate's CUDA kernels do not run.
+#[doc(hidden)]
+pub fn stream_read(
+    src: Tensor<1>,
+    out: Tensor<1, Int>,
+    cubes: usize,
+    unroll: usize,
+) -> Option<Tensor<1, Int>> {
+    #[cfg(feature = "cuda")]
+    if kernels_available(&src.device()) && out.dims()[0] >= 256 * cubes && cubes > 0 {
+        return Some(cuda::floor::stream_read(src, out, cubes, unroll));
+    }
+    let _ = (src, out, cubes, unroll);
+    None
+}
+
+/// Benchmarks only: `x[0] += 1` in `x`'s buffer by a one-cube launch, returning `x`: a launch
+/// that costs only itself and its ordering after the previous one. `None` where this crate's CUDA
+/// kernels do not run.
+#[doc(hidden)]
+pub fn tick(x: Tensor<1, Int>) -> Option<Tensor<1, Int>> {
+    #[cfg(feature = "cuda")]
+    if kernels_available(&x.device()) && x.dims()[0] > 0 {
+        return Some(cuda::floor::tick(x));
+    }
+    let _ = x;
+    None
+}
+
 /// Whether this crate's CUDA kernels can run on `device` (a CUDA build, a CUDA device, kernels
 /// enabled). Callers use it to skip preparing kernel inputs on other devices.
 pub fn kernels_available(device: &burn::tensor::Device) -> bool {

@@ -6,6 +6,7 @@
 pub(crate) mod accept;
 pub(crate) mod attention;
 pub(crate) mod copy;
+pub(crate) mod floor;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemm_fp8;
