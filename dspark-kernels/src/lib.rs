@@ -15,7 +15,7 @@ pub mod gemm_plan;
 pub mod graph;
 pub mod reference;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use burn::tensor::{Int, Tensor};
 
@@ -79,6 +79,58 @@ pub fn int_views() -> bool {
 #[doc(hidden)]
 pub fn tile_padding() -> bool {
     TILE_PADDING.load(Ordering::Relaxed)
+}
+
+/// Threads of a row-norm cube (see [`set_norm_threads`]).
+static NORM_THREADS: AtomicUsize = AtomicUsize::new(1024);
+
+/// Sets the threads of the RMSNorm kernel's cube (one cube per row): 1024 (the default), 512
+/// or 256; anything else is refused (`false`). A one-row norm is one cube on one SM, whose time
+/// is its instruction stream (Nsight on the H100 with 256 threads: 2.3 µs active of 4.4, 0.36
+/// instructions issued per scheduler and cycle with two warps each); more threads split that
+/// stream. Measured on the H100 (2026-12-05, `bench-target --norm-threads`, one process each,
+/// interleaved): one-row step 6.03 / 6.10 ms with 256, 5.98 / 5.97 with 1024, 6.00 with 512;
+/// 16 lanes unchanged. The sum of squares adds the warps' sums in warp order, so the bits
+/// differ between settings but never between rows, windows or lanes of one setting (checked at
+/// Qwen3-8B shapes with 1024: `gpu_golden` batch invariance and recorded forwards): a process
+/// uses one. For A/B benchmarks.
+#[doc(hidden)]
+pub fn set_norm_threads(threads: usize) -> bool {
+    let ok = matches!(threads, 256 | 512 | 1024);
+    if ok {
+        NORM_THREADS.store(threads, Ordering::Relaxed);
+    }
+    ok
+}
+
+/// Threads of the RMSNorm kernel's cube (see [`set_norm_threads`]).
+#[doc(hidden)]
+pub fn norm_threads() -> usize {
+    NORM_THREADS.load(Ordering::Relaxed)
+}
+
+/// Fewest keys of a paged-attention split (see [`set_attention_min_chunk`]).
+static ATTENTION_MIN_CHUNK: AtomicUsize = AtomicUsize::new(32);
+
+/// Sets the fewest keys of a paged-attention split (flash decoding): 32 (the default), 64, 128
+/// or 256; anything else is refused (`false`). A row with `n` visible keys is cut into
+/// `⌈n / chunk⌉` splits of `chunk = max(min_chunk, ⌈⌈n / 32⌉ / min_chunk⌉ · min_chunk)` keys,
+/// so fewer, longer splits (fewer cubes, a shorter merge) for contexts below `32 · min_chunk`.
+/// A row's splits still depend on its own key count alone, so results stay batch-invariant,
+/// but the reduction order differs between settings: a process uses one. For A/B benchmarks.
+#[doc(hidden)]
+pub fn set_attention_min_chunk(keys: usize) -> bool {
+    let ok = matches!(keys, 32 | 64 | 128 | 256);
+    if ok {
+        ATTENTION_MIN_CHUNK.store(keys, Ordering::Relaxed);
+    }
+    ok
+}
+
+/// The fewest keys of a paged-attention split (see [`set_attention_min_chunk`]).
+#[doc(hidden)]
+pub fn attention_min_chunk() -> usize {
+    ATTENTION_MIN_CHUNK.load(Ordering::Relaxed)
 }
 
 /// Whether [`paged_attention`] uses tensor cores (see [`set_tensor_core_attention`]).

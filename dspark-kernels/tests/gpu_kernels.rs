@@ -367,10 +367,22 @@ fn check_close(what: &str, got: &[f32], body: &[f32], want: &[f64]) {
     assert!(e_kernel <= 6e-3 && e_kernel <= 1.5 * e_body + 1e-4, "{what}: {e_kernel} vs body {e_body}");
 }
 
+/// With every cube size of `set_norm_threads` (process-wide: run this binary with
+/// `--test-threads=1`, as the device scripts do; the default is restored after).
 #[test]
 fn rms_norm_kernels_match_reference() {
     let device = cuda();
     let eps = 1e-6;
+    for threads in [256usize, 512, 1024] {
+        assert!(dspark_kernels::set_norm_threads(threads));
+        println!("norm cube of {threads} threads");
+        rms_norm_cases(&device, eps);
+    }
+    assert!(dspark_kernels::set_norm_threads(1024));
+}
+
+fn rms_norm_cases(device: &Device, eps: f64) {
+    let device = device.clone();
     for &d in &[4096usize, 256, 1000] {
         let w = norm_weight(d, &device);
         let wh = host1(w.clone());

@@ -19,7 +19,8 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 
 /// Set the kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated: `pad-tiles` /
 /// `no-pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` / `no-int-views` for
-/// `dspark_kernels::set_int_views`), so that one build checks a switch either way: before it
+/// `dspark_kernels::set_int_views`, `norm-threads-N` for `dspark_kernels::set_norm_threads`),
+/// so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced (`benches/gpu_tiles.sh check`). Unset: the
 /// library's defaults (both on). An unknown name fails the test rather than being ignored.
 fn staged_switches() {
@@ -30,7 +31,10 @@ fn staged_switches() {
             "no-pad-tiles" => dspark_kernels::set_tile_padding(false),
             "int-views" => dspark_kernels::set_int_views(true),
             "no-int-views" => dspark_kernels::set_int_views(false),
-            other => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),
+            other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
+                Some(n) if dspark_kernels::set_norm_threads(n) => {}
+                _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),
+            },
         }
         println!("kernel switch: {name}");
     }

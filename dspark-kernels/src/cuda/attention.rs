@@ -54,9 +54,7 @@ fn unpack(word: u32) -> (f32, f32) {
 /// Key splits a row's keys are divided into, at most (flash decoding): with one row and eight
 /// K/V heads, 32 splits give 256 cubes for the 132 SMs of an H200.
 const MAX_SPLITS: usize = 32;
-/// Fewest keys of a split (a multiple of [`KEY_GROUPS`]).
-const MIN_CHUNK: usize = 32;
-/// Keys each key group has in flight at once (a split of [`MIN_CHUNK`] keys is one batch).
+/// Keys each key group has in flight at once (a split of 32 keys is one batch).
 const KEYS_IN_FLIGHT: usize = 4;
 /// Query rows per launch: a long prefill or context extension runs in launches of this many
 /// rows that share one scratch buffer, so its scratch is that of a verify window (at most
@@ -68,18 +66,18 @@ const ROWS_PER_LAUNCH: usize = 64;
 /// Splits any row of a call can have when every row reads at most `n_keys` keys: the slots
 /// per (row, head) in the scratch. A function of the table's length only (the scratch layout;
 /// never the arithmetic, which [`split_chunk`] alone fixes).
-fn split_stride(n_keys: usize) -> usize {
-    n_keys.div_ceil(MIN_CHUNK).clamp(1, MAX_SPLITS)
+fn split_stride(n_keys: usize, min_chunk: usize) -> usize {
+    n_keys.div_ceil(min_chunk).clamp(1, MAX_SPLITS)
 }
 
 /// Keys per split of a row with `count` visible keys: a function of `count` alone, so a row's
 /// reduction order never depends on the rows beside it.
 #[cube]
-fn split_chunk(count: usize) -> usize {
+fn split_chunk(count: usize, #[comptime] min_chunk: usize) -> usize {
     let per = count.div_ceil(MAX_SPLITS);
-    let mut chunk = per.div_ceil(MIN_CHUNK) * MIN_CHUNK;
+    let mut chunk = per.div_ceil(min_chunk) * min_chunk;
     if chunk == 0 {
-        chunk = MIN_CHUNK;
+        chunk = min_chunk;
     }
     chunk
 }
@@ -109,6 +107,7 @@ fn paged_attention_split_kernel(
     scale: f32,
     #[comptime] head_dim: usize,
     #[comptime] groups: usize,
+    #[comptime] min_chunk: usize,
 ) {
     let local = CUBE_POS_X as usize;
     let row = row0 as usize + local;
@@ -126,7 +125,7 @@ fn paged_attention_split_kernel(
 
     let first = meta[2 * row] as usize;
     let count = meta[2 * row + 1] as usize;
-    let chunk = split_chunk(count);
+    let chunk = split_chunk(count, min_chunk);
     let start = split * chunk;
     // A whole cube leaves at once (the condition is the cube's), so the shuffles below always
     // see every lane.
@@ -365,6 +364,7 @@ fn paged_attention_mma_kernel(
     #[comptime] head_dim: usize,
     #[comptime] groups: usize,
     #[comptime] wide: bool,
+    #[comptime] min_chunk: usize,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -425,10 +425,10 @@ fn paged_attention_mma_kernel(
     sync_cube();
     if id < nr {
         let f = row_first[id];
-        let c = split_chunk(row_count[id] as usize);
+        let c = split_chunk(row_count[id] as usize, min_chunk);
         let mut lead = id;
         for j in 0..id {
-            if lead == id && row_first[j] == f && split_chunk(row_count[j] as usize) == c {
+            if lead == id && row_first[j] == f && split_chunk(row_count[j] as usize, min_chunk) == c {
                 lead = j;
             }
         }
@@ -438,7 +438,7 @@ fn paged_attention_mma_kernel(
     #[allow(clippy::collapsible_if)]
     if id < nr {
         if row_lead[id] as usize == id {
-            let chunk = split_chunk(row_count[id] as usize);
+            let chunk = split_chunk(row_count[id] as usize, min_chunk);
             let start = split * chunk;
             let mut end = start;
             for r in id..nr {
@@ -464,7 +464,7 @@ fn paged_attention_mma_kernel(
     // values), so all threads reach each sync.
     for i in 0..nr {
         let first = row_first[i] as usize;
-        let chunk = split_chunk(row_count[i] as usize);
+        let chunk = split_chunk(row_count[i] as usize, min_chunk);
         let start = split * chunk;
         let end = pass_end[i] as usize;
         if row_lead[i] as usize == i && end > start {
@@ -823,6 +823,7 @@ fn combine_kernel(
     row0: u32,
     stride: u32,
     #[comptime] head_dim: usize,
+    #[comptime] min_chunk: usize,
 ) {
     let local = CUBE_POS_X as usize;
     let row = row0 as usize + local;
@@ -831,7 +832,7 @@ fn combine_kernel(
     let d = UNIT_POS_X as usize;
     let stride = stride as usize;
     let count = meta[2 * row + 1] as usize;
-    let chunk = split_chunk(count);
+    let chunk = split_chunk(count, min_chunk);
     let mut splits = count.div_ceil(chunk);
     // Only a row reading past the key table could have more (the launch's contract rules it
     // out); never read past the scratch.
@@ -963,7 +964,8 @@ fn launch(
     let group = group.clamp(1, ROWS_PER_LAUNCH);
     let per_launch = if mma { ROWS_PER_LAUNCH / group * group } else { ROWS_PER_LAUNCH };
     let (per_cube, cubes_per_group) = mma_cubes(group, groups);
-    let stride = split_stride(n_keys);
+    let min_chunk = crate::attention_min_chunk();
+    let stride = split_stride(n_keys, min_chunk);
     let launch_rows = rows.min(per_launch);
     let part_len = launch_rows * heads * stride * head_dim;
     let ml_len = launch_rows * heads * stride * 2;
@@ -975,7 +977,7 @@ fn launch(
         // q rows `row0 .. row0 + n < rows`, pool rows named in `keys` (the caller's page tables,
         // all `< pool_rows`), `keys` entries `meta[2r] .. meta[2r] + meta[2r + 1]` (within
         // `keys` by construction of the plan, so a row has at most `split_stride(n_keys)`
-        // splits: its chunk is at least MIN_CHUNK keys), and write slots `< n · heads · stride`
+        // splits: its chunk is at least `min_chunk` keys), and write slots `< n · heads · stride`
         // of `part` and `ml` (split `< stride`: the grid's z; the tensor-core kernel's cubes
         // cover rows `< n`; it takes `part` twice, as f32 and as 16-byte words, and writes it
         // through one of them only, chosen at compile time); the combine reads the slots the
@@ -1011,6 +1013,7 @@ fn launch(
                     head_dim,
                     groups,
                     group > 1,
+                    min_chunk,
                 );
             } else {
                 paged_attention_split_kernel::launch_unchecked(
@@ -1030,6 +1033,7 @@ fn launch(
                     1.0 / (head_dim as f32).sqrt(),
                     head_dim,
                     groups,
+                    min_chunk,
                 );
             }
             combine_kernel::launch_unchecked(
@@ -1043,6 +1047,7 @@ fn launch(
                 row0 as u32,
                 stride as u32,
                 head_dim,
+                min_chunk,
             );
         }
     }
@@ -1099,7 +1104,7 @@ pub(crate) fn offline_attention(
                     paged_attention_mma_kernel::PagedAttentionMmaKernel,
                     CubeDim::new_2d(32, MMA_WARPS as u32);
                     b b b b b b b b s s s s s s s s;
-                    head_dim, groups, wide
+                    head_dim, groups, wide, crate::attention_min_chunk()
                 ),
             ));
         }
@@ -1110,7 +1115,7 @@ pub(crate) fn offline_attention(
             paged_attention_split_kernel::PagedAttentionSplitKernel,
             CubeDim::new_2d(32, groups as u32);
             b b b b b b b s s s s;
-            head_dim, groups
+            head_dim, groups, crate::attention_min_chunk()
         ),
     ));
     all.push(transpile(
@@ -1119,7 +1124,7 @@ pub(crate) fn offline_attention(
             combine_kernel::CombineKernel,
             CubeDim::new_1d(head_dim as u32);
             b b b b s s;
-            head_dim
+            head_dim, crate::attention_min_chunk()
         ),
     ));
     all

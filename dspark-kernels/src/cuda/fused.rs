@@ -18,8 +18,6 @@ use half::bf16;
 
 use super::offline::{KernelSource, offline_kernel, transpile};
 
-/// Threads of a row-norm cube (eight warps).
-const NORM_THREADS: usize = 256;
 /// Threads of a SwiGLU cube.
 const SWIGLU_THREADS: usize = 256;
 
@@ -51,11 +49,12 @@ fn rms_norm_kernel(
     #[comptime] d: usize,
     #[comptime] residual: bool,
     #[comptime] splits: usize,
+    #[comptime] threads: usize,
 ) {
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let base = row * d;
-    let per_thread = comptime!(d.div_ceil(NORM_THREADS));
+    let per_thread = comptime!(d.div_ceil(threads));
     // 1. Every read of this thread first (its elements, their deltas, its weights), with no
     //    store in between: the stores to `sum` could alias them as far as the compiler knows,
     //    so reads issued after a store would each wait for the one before (measured: 9.7 µs
@@ -65,7 +64,7 @@ fn rms_norm_kernel(
     let mut ws = Array::<f32>::new(per_thread);
     #[unroll]
     for j in 0..per_thread {
-        let i = j * NORM_THREADS + tid;
+        let i = j * threads + tid;
         vals[j] = 0.0f32;
         ds[j] = 0.0f32;
         ws[j] = 0.0f32;
@@ -92,7 +91,7 @@ fn rms_norm_kernel(
     let mut part = 0.0f32;
     #[unroll]
     for j in 0..per_thread {
-        let i = j * NORM_THREADS + tid;
+        let i = j * threads + tid;
         let mut v = vals[j];
         if residual {
             let s = bf16::cast_from(v + ds[j]);
@@ -104,23 +103,23 @@ fn rms_norm_kernel(
         vals[j] = v;
         part += v * v;
     }
-    // 2. Warp butterfly, then the eight warps in order.
+    // 2. Warp butterfly, then the warps in order.
     let warp_sum = plane_sum(part);
-    let mut partial = Shared::<[f32]>::new_slice(NORM_THREADS / 32);
+    let mut partial = Shared::<[f32]>::new_slice(threads / 32);
     if tid.is_multiple_of(32) {
         partial[tid / 32] = warp_sum;
     }
     sync_cube();
     let mut total = 0.0f32;
     #[unroll]
-    for k in 0..NORM_THREADS / 32 {
+    for k in 0..threads / 32 {
         total += partial[k];
     }
     // 3. Normalise in f32, round, scale by the weight, round.
     let inv = 1.0f32 / f32::sqrt(total * inv_d + eps);
     #[unroll]
     for j in 0..per_thread {
-        let i = j * NORM_THREADS + tid;
+        let i = j * threads + tid;
         if i < d {
             let n = f32::cast_from(bf16::cast_from(vals[j] * inv));
             out[base + i] = bf16::cast_from(n * ws[j]);
@@ -388,13 +387,14 @@ pub(crate) fn launch_norm_from(
         Some(Delta::Rows(t)) => (t.handle.clone(), x.handle.clone(), n / 2, 0),
         Some(Delta::Parts(p, splits)) => (x.handle.clone(), p.handle.clone(), splits * n, splits),
     };
+    let threads = crate::norm_threads();
     // SAFETY: every bf16 buffer holds `rows·d` elements (`w` holds `d`) and `parts`, when read
     // (`splits > 0`), `splits·rows·d` f32; cube `r` reads and writes row `r` only (of each split).
     unsafe {
         rms_norm_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
-            CubeDim::new_1d(NORM_THREADS as u32),
+            CubeDim::new_1d(threads as u32),
             BufferArg::from_raw_parts(x.handle.clone(), n),
             BufferArg::from_raw_parts(delta, n),
             BufferArg::from_raw_parts(parts, parts_len),
@@ -407,6 +407,7 @@ pub(crate) fn launch_norm_from(
             d,
             residual,
             splits,
+            threads,
         );
     }
     (sum, out)
@@ -1286,9 +1287,9 @@ pub(crate) fn argmax_sum(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, burn
 pub(crate) fn offline_norm(d: usize, residual: bool, splits: usize) -> Result<KernelSource, String> {
     let kernel = offline_kernel!(
         rms_norm_kernel::RmsNormKernel,
-        CubeDim::new_1d(NORM_THREADS as u32);
+        CubeDim::new_1d(crate::norm_threads() as u32);
         b b b b b b s s s;
-        d, residual, splits
+        d, residual, splits, crate::norm_threads()
     );
     transpile(&format!("rms_norm: d={d} residual={residual} splits={splits}"), kernel)
 }
