@@ -105,12 +105,12 @@ struct Args {
     /// Fewest keys of an attention split: 32 (the library's default), 64, 128 or 256
     /// (`dspark_kernels::set_attention_min_chunk`), for an A/B; the column then reads
     /// `(splits of ≥ N keys)`.
-    #[arg(long, default_value_t = 32)]
-    attn_min_chunk: usize,
+    #[arg(long, default_value = "32", value_parser = ["32", "64", "128", "256"])]
+    attn_min_chunk: String,
     /// Threads of the RMSNorm cube: 1024 (the library's default), 512 or 256
     /// (`dspark_kernels::set_norm_threads`), for an A/B; the column then reads `(norm N threads)`.
-    #[arg(long, default_value_t = 1024)]
-    norm_threads: usize,
+    #[arg(long, default_value = "1024", value_parser = ["256", "512", "1024"])]
+    norm_threads: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
     /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
     /// (`dspark_kernels::set_tile_padding`).
@@ -263,10 +263,10 @@ fn switches(args: &Args) -> String {
     if args.attention == "warp" {
         label += " (warp attention)";
     }
-    if args.attn_min_chunk != 32 {
+    if args.attn_min_chunk != "32" {
         label += &format!(" (splits of ≥ {} keys)", args.attn_min_chunk);
     }
-    if args.norm_threads != 1024 {
+    if args.norm_threads != "1024" {
         label += &format!(" (norm {} threads)", args.norm_threads);
     }
     if args.pad_tiles == "off" {
@@ -281,14 +281,9 @@ fn switches(args: &Args) -> String {
 fn main() -> dspark::Result<()> {
     let args = Args::parse();
     dspark_kernels::set_tensor_core_attention(args.attention == "tc");
-    if !dspark_kernels::set_attention_min_chunk(args.attn_min_chunk) {
-        eprintln!("--attn-min-chunk: 32, 64, 128 or 256");
-        std::process::exit(2);
-    }
-    if !dspark_kernels::set_norm_threads(args.norm_threads) {
-        eprintln!("--norm-threads: 256, 512 or 1024");
-        std::process::exit(2);
-    }
+    // Both values are among the ones clap accepts, which the setters take.
+    dspark_kernels::set_attention_min_chunk(args.attn_min_chunk.parse().unwrap_or(32));
+    dspark_kernels::set_norm_threads(args.norm_threads.parse().unwrap_or(1024));
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {
