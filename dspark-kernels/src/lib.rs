@@ -615,3 +615,33 @@ pub fn paged_attention_grouped(
     let _ = group;
     reference::paged_attention(q, k_pool, v_pool, keys, meta)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The two launch-shape switches take only the sizes their kernels are built for and keep
+    /// the current value otherwise (no test here sets a valid one: the values are process-wide).
+    #[test]
+    fn switches_refuse_sizes_the_kernels_do_not_take() {
+        let (threads, chunk) = (norm_threads(), attention_min_chunk());
+        assert_eq!((threads, chunk), (1024, 32), "the defaults");
+        for bad in [0, 1, 128, 300, 2048] {
+            assert!(!set_norm_threads(bad), "norm threads {bad}");
+        }
+        for bad in [0, 16, 48, 96, 512] {
+            assert!(!set_attention_min_chunk(bad), "min chunk {bad}");
+        }
+        assert_eq!((norm_threads(), attention_min_chunk()), (threads, chunk));
+    }
+
+    /// On the CPU the floor probes answer `None` rather than reading anything.
+    #[test]
+    fn floor_probes_are_cuda_only() {
+        let device = burn::tensor::Device::flex();
+        assert!(!kernels_available(&device));
+        let src = Tensor::<1>::zeros([64], &device);
+        assert!(stream_read(src, Tensor::<1, Int>::zeros([256], &device), 1, 4).is_none());
+        assert!(tick(Tensor::<1, Int>::zeros([1], &device)).is_none());
+    }
+}
