@@ -123,10 +123,10 @@ fn time_calls(x: &Tensor<2>, weights: &[Tensor<2>], iters: usize, device: &Devic
     start.elapsed().as_secs_f64() / iters as f64
 }
 
-/// Random e4m3 bytes (every finite code; NaN codes replaced by zero) and per-row scales.
-/// Device time per call: `iters` calls recorded as one CUDA graph, replayed `reps` times (the
+/// Device time per call: `iters` calls recorded as one CUDA graph, replayed 5 times back to back
+/// with one sync at the end, a throughput ([`time_graph_median`] syncs each replay instead). The
 /// host launch cost is gone, so this is the kernel's own time plus the graph's gap between
-/// launches). `None` where no graph is recorded.
+/// launches. `None` where no graph is recorded.
 fn time_graphed<T>(mut call: impl FnMut(usize) -> T, iters: usize, device: &Device) -> Option<f64> {
     let (graph, outputs) = dspark_kernels::DeviceGraph::capture(device, || {
         Ok::<_, ()>((0..iters).map(&mut call).collect::<Vec<_>>())
@@ -148,6 +148,7 @@ fn time_graphed<T>(mut call: impl FnMut(usize) -> T, iters: usize, device: &Devi
     Some(start.elapsed().as_secs_f64() / (reps * iters) as f64)
 }
 
+/// Random e4m3 bytes (every finite code; NaN codes replaced by zero) and per-row scales.
 fn random_fp8(out: usize, inp: usize, seed: u64, device: &Device) -> dspark_kernels::Fp8Matrix {
     let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     let mut next = || {
