@@ -82,6 +82,13 @@ struct Args {
     /// implied speedups assume the same τ: a restricted draft's τ is to be measured apart.
     #[arg(long, value_delimiter = ',', default_value = "0")]
     draft_vocab: Vec<usize>,
+    /// Where a `c` layout's confidence head runs, each a table row per layout and weights:
+    /// `device` (with the device Markov pass, the library's default: γ logits a lane read back)
+    /// or `host` (the block's hidden rows read back, f64 dot products on the host;
+    /// `DSparkDraft::set_device_confidence(false)`; the weights column then reads e.g. `fp8h,
+    /// host confidence`), for an A/B in one call.
+    #[arg(long, value_delimiter = ',', default_value = "device", value_parser = ["device", "host"])]
+    confidence: Vec<String>,
     /// Launch modes to time, each a table row per layout and weights: `on` (forwards, draft
     /// rounds and context extensions replayed as recorded CUDA graphs) or `off` (op by op).
     #[arg(long, value_delimiter = ',', default_value = "on")]
@@ -355,12 +362,18 @@ fn main() -> dspark::Result<()> {
         let mut combos = Vec::new();
         for l in &args.layouts {
             for w in &args.weights {
-                combos.extend(args.draft_vocab.iter().map(|&v| (l.clone(), w.clone(), v)));
+                for v in &args.draft_vocab {
+                    combos.extend(args.confidence.iter().map(|c| (l.clone(), w.clone(), *v, c.clone())));
+                }
             }
         }
-        for (spec, weights, draft_vocab) in combos {
+        for (spec, weights, draft_vocab, head_on) in combos {
             let (spec, weights) = (&spec, &weights);
             let confidence = spec.ends_with('c');
+            if head_on == "host" && !confidence {
+                // Without a confidence head there is nothing to move: one row is enough.
+                continue;
+            }
             let gamma: usize = spec
                 .trim_end_matches('c')
                 .parse()
@@ -407,6 +420,12 @@ fn main() -> dspark::Result<()> {
                 // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
                 draft.set_device_markov(true);
             }
+            let weights = if confidence && head_on == "host" {
+                draft.set_device_confidence(false);
+                format!("{weights}, host confidence")
+            } else {
+                weights
+            };
             let width = draft.feature_layers().len() * config.hidden_size;
             let opts = TensorCreationOptions::new(device.clone()).with_dtype(dtype.dtype());
             let features = |rows: usize| {

@@ -446,6 +446,52 @@ pub fn argmax_sum_rows(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, Int> {
     argmax_rows(f32(a.narrow(1, k, 1).reshape([rows, width])) + f32(b))
 }
 
+/// The pre-sigmoid logits of a draft's confidence head over its blocks, `c_k = σ(logit)`: for
+/// row `r = lane·γ + k` (`γ = rows / lanes`), `bias + w[.. hd]·hidden[r] + w[hd ..]·table[prev_r]`
+/// with `prev_r` the lane's anchor for `k = 0` and the draft before (`tokens[r − 1]`) after it;
+/// without `table` (a head that does not read the Markov embedding), the first dot product only.
+/// Ids outside the table read its row 0.
+///
+/// On CUDA for bf16 `hidden` and `table` and f32 weights it is one launch (a cube per row, f32
+/// sums in an order fixed by the widths), so a draft round reads back γ logits a lane instead of
+/// its γ hidden rows. Elsewhere [`reference::confidence_logits`] reads everything back and sums
+/// in f64; the two differ by f32 rounding only.
+///
+/// # Shapes
+/// `hidden`: `[rows, hd]`, `table`: `[V, rank]`, `anchors`: `[lanes]`, `tokens`: `[rows]`,
+/// `weight`: `[≥ hd + rank]` → `[rows]` (f32).
+///
+/// # Panics
+/// If `rows` is not a positive multiple of `lanes`, `tokens` is not `rows` long, or the weights
+/// are too few.
+pub fn confidence_logits(
+    hidden: Tensor<2>,
+    table: Option<&Tensor<2>>,
+    anchors: Tensor<1, Int>,
+    tokens: Tensor<1, Int>,
+    weight: &Tensor<1>,
+    bias: f32,
+) -> Tensor<1> {
+    let [rows, hd] = hidden.dims();
+    let lanes = anchors.dims()[0];
+    let rank = table.map_or(0, |t| t.dims()[1]);
+    assert!(
+        lanes > 0 && rows > 0 && rows.is_multiple_of(lanes),
+        "confidence_logits: {rows} rows for {lanes} lanes"
+    );
+    assert_eq!(tokens.dims()[0], rows, "confidence_logits: one token per row");
+    assert!(
+        weight.dims()[0] >= hd + rank,
+        "confidence_logits: {} weights for {hd} + {rank}",
+        weight.dims()[0]
+    );
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::confidence::takes(&hidden, table, weight) {
+        return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias);
+    }
+    reference::confidence_logits(hidden, table, anchors, tokens, weight, bias)
+}
+
 /// One draw per row from `softmax(x_r / T_r)` over the whole row (the draft's proposal in a
 /// sampled Markov step), or the argmax where `T_r = 0`, as [`reference::draw_row`] defines it.
 /// Row `r`'s temperature and coin are the three values `draws[3r .. 3r + 3]` made by

@@ -262,6 +262,66 @@ pub fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int> {
     Tensor::from_data(TensorData::new(ids, [rows]), &device)
 }
 
+/// The confidence head's logits of draft blocks, the rule of [`crate::confidence_logits`]: for
+/// row `r = lane·γ + k`, `bias + Σ_j w[j]·hidden[r, j] + Σ_j w[hd + j]·table[prev_r, j]` with
+/// `prev_r` the lane's anchor for `k = 0` and `tokens[r − 1]` after it (an id outside the table
+/// reads row 0); without `table`, the first sum only. Read back and summed in f64 in index order
+/// (the hidden terms, then the table's), the bias added last, rounded to f32.
+///
+/// # Shapes
+/// `hidden`: `[rows, hd]`, `table`: `[V, rank]`, `anchors`: `[lanes]`, `tokens`: `[rows]`,
+/// `weight`: `[≥ hd + rank]` → `[rows]` (f32 on `hidden`'s device).
+///
+/// # Panics
+/// If `rows` is not a multiple of `lanes`, the weights are too few, or a tensor cannot be read
+/// back (a device error).
+pub fn confidence_logits(
+    hidden: Tensor<2>,
+    table: Option<&Tensor<2>>,
+    anchors: Tensor<1, Int>,
+    tokens: Tensor<1, Int>,
+    weight: &Tensor<1>,
+    bias: f32,
+) -> Tensor<1> {
+    let [rows, hd] = hidden.dims();
+    let lanes = anchors.dims()[0];
+    assert!(lanes > 0 && rows.is_multiple_of(lanes), "confidence_logits: {rows} rows for {lanes} lanes");
+    let gamma = rows / lanes;
+    let device = hidden.device();
+    let ints = |t: Tensor<1, Int>| t.into_data().convert::<i64>().try_to_vec::<i64>().expect("ids");
+    let floats = |t: Tensor<2>| t.into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 rows");
+    let (anchors, tokens) = (ints(anchors), ints(tokens));
+    let w = weight.clone().into_data().convert::<f32>().try_to_vec::<f32>().expect("f32 weights");
+    let embedded = table.map(|t| {
+        let [table_rows, rank] = t.dims();
+        let prev: Vec<i64> = (0..rows)
+            .map(|r| if r % gamma == 0 { anchors[r / gamma] } else { tokens[r - 1] })
+            .map(|id| if (0..table_rows as i64).contains(&id) { id } else { 0 })
+            .collect();
+        let prev = Tensor::<1, Int>::from_data(TensorData::new(prev, [rows]), &device);
+        (floats(t.clone().select(0, prev)), rank)
+    });
+    let rank = embedded.as_ref().map_or(0, |(_, rank)| *rank);
+    assert!(w.len() >= hd + rank, "confidence_logits: {} weights for {hd} + {rank} inputs", w.len());
+    let h = floats(hidden);
+    let logits: Vec<f32> = (0..rows)
+        .map(|r| {
+            let mut acc = 0.0f64;
+            for (a, b) in w[..hd].iter().zip(&h[r * hd..(r + 1) * hd]) {
+                acc += f64::from(*a) * f64::from(*b);
+            }
+            if let Some((e, rank)) = &embedded {
+                for (a, b) in w[hd..hd + rank].iter().zip(&e[r * rank..(r + 1) * rank]) {
+                    acc += f64::from(*a) * f64::from(*b);
+                }
+            }
+            (acc + f64::from(bias)) as f32
+        })
+        .collect();
+    let options = burn::tensor::TensorCreationOptions::new(device).with_dtype(DType::F32);
+    Tensor::from_data(TensorData::new(logits, [rows]), options)
+}
+
 /// Scaled dot-product attention with grouped-query heads (query head `h` reads key/value head
 /// `h / (heads / kv_heads)`), softmax in f32.
 ///
@@ -335,6 +395,51 @@ pub fn paged_attention(
 mod tests {
     use super::*;
     use burn::tensor::{Device, Distribution};
+
+    #[test]
+    fn confidence_logits_read_the_anchor_then_the_draft_before() {
+        // Two lanes of γ = 3 over a 4-wide hidden row and a rank-2 table of 5 rows; row r's
+        // embedding is table[anchor] for k = 0 and table[tokens[r − 1]] after, an id outside
+        // the table reading row 0.
+        let device = Device::flex();
+        let (lanes, gamma, hd, rank) = (2usize, 3usize, 4usize, 2usize);
+        let rows = lanes * gamma;
+        let h: Vec<f32> = (0..rows * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let t: Vec<f32> = (0..5 * rank).map(|i| i as f32 - 4.5).collect();
+        let w: Vec<f32> = vec![0.5, -1.0, 2.0, 0.25, 3.0, -0.5];
+        let (anchors, tokens) = (vec![4i64, 1], vec![2i64, 9, 3, 0, -1, 2]);
+        let hidden = Tensor::<2>::from_data(TensorData::new(h.clone(), [rows, hd]), &device);
+        let table = Tensor::<2>::from_data(TensorData::new(t.clone(), [5, rank]), &device);
+        let weight = Tensor::<1>::from_data(TensorData::new(w.clone(), [hd + rank]), &device);
+        let ids = |v: &Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
+        let prev = [4usize, 2, 0, 1, 0, 0];
+        for markov in [true, false] {
+            let got = confidence_logits(
+                hidden.clone(),
+                markov.then_some(&table),
+                ids(&anchors),
+                ids(&tokens),
+                &weight,
+                -0.125,
+            );
+            assert_eq!(got.dtype(), DType::F32);
+            let got = got.into_data().try_to_vec::<f32>().expect("f32");
+            for r in 0..rows {
+                let mut want: f64 = (0..hd).map(|j| f64::from(w[j]) * f64::from(h[r * hd + j])).sum();
+                if markov {
+                    want += (0..rank)
+                        .map(|j| f64::from(w[hd + j]) * f64::from(t[prev[r] * rank + j]))
+                        .sum::<f64>();
+                }
+                want -= 0.125;
+                assert!(
+                    (f64::from(got[r]) - want).abs() < 1e-5,
+                    "markov {markov} row {r}: {} vs {want}",
+                    got[r]
+                );
+            }
+        }
+    }
 
     #[test]
     fn qkv_store_puts_k_and_v_at_the_named_pool_rows_and_keeps_the_rest() {

@@ -1682,3 +1682,73 @@ fn int_views_read_their_buffer() {
     // Back to the library's default.
     dspark_kernels::set_int_views(true);
 }
+
+#[test]
+fn confidence_logits_match_reference() {
+    // A draft's confidence head at DSpark widths (hidden 4096, Markov rank 256) and a small one:
+    // 1 and 4 lanes of γ = 7 and 16, with and without the Markov term; the ids include one past
+    // the table and a negative one (both read row 0).
+    let device = cuda();
+    for &(hd, rank, vocab) in &[(4096usize, 256usize, 151_936usize), (64, 32, 100)] {
+        for &(lanes, gamma) in &[(1usize, 7usize), (4, 7), (1, 16), (3, 16)] {
+            let rows = lanes * gamma;
+            let hidden = random(rows, hd, 1.0, &device);
+            let table = random(vocab, rank, 0.5, &device);
+            let opts = TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+            let weight = Tensor::<1>::random([hd + rank], Distribution::Normal(0.0, 0.05), opts);
+            let mut ids: Vec<i32> = (0..rows).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
+            ids[rows / 2] = vocab as i32;
+            ids[rows - 1] = -3;
+            let anchors: Vec<i32> = (0..lanes).map(|l| ((l * 104_729 + 5) % vocab) as i32).collect();
+            let tokens = int_tensor(ids, [rows], &device);
+            let anchors = int_tensor(anchors, [lanes], &device);
+            let (h, t, w) = (host(hidden.clone()), host(table.clone()), host1(weight.clone()));
+            let tk = tokens.clone().into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+            let an = anchors.clone().into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+            for markov in [true, false] {
+                let tab = markov.then_some(&table);
+                poison(rows * 2, &device);
+                let got = host1(dspark_kernels::confidence_logits(
+                    hidden.clone(),
+                    tab,
+                    anchors.clone(),
+                    tokens.clone(),
+                    &weight,
+                    0.25,
+                ));
+                let body = host1(dspark_kernels::reference::confidence_logits(
+                    hidden.clone(),
+                    tab,
+                    anchors.clone(),
+                    tokens.clone(),
+                    &weight,
+                    0.25,
+                ));
+                // Float64 on the host, and Σ|w·x| for the bound of an f32 sum of hd + rank terms.
+                let (mut want, mut scale) = (Vec::new(), Vec::new());
+                for r in 0..rows {
+                    let mut terms: Vec<f64> =
+                        (0..hd).map(|j| f64::from(w[j]) * f64::from(h[r * hd + j])).collect();
+                    if markov {
+                        let prev = if r % gamma == 0 { an[r / gamma] } else { tk[r - 1] };
+                        let prev = if (0..vocab as i64).contains(&prev) { prev as usize } else { 0 };
+                        terms.extend((0..rank).map(|j| f64::from(w[hd + j]) * f64::from(t[prev * rank + j])));
+                    }
+                    want.push(terms.iter().sum::<f64>() + 0.25);
+                    scale.push(terms.iter().map(|v| v.abs()).sum::<f64>() + 0.25);
+                }
+                for r in 0..rows {
+                    let bound = 2.0 * (hd + rank) as f64 * f64::from(f32::EPSILON) * scale[r];
+                    for (what, v) in [("kernel", got[r]), ("body", body[r])] {
+                        assert!(
+                            (f64::from(v) - want[r]).abs() <= bound,
+                            "{what} hd {hd} rank {rank} lanes {lanes} γ {gamma} markov {markov} row {r}: \
+                             {v} vs {} (bound {bound})",
+                            want[r]
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -82,6 +82,7 @@ fn every_kernel_variant_transpiles() {
         "draw_walk_kernel",
         "draw_merge_kernel",
         "copy_words_kernel",
+        "confidence_kernel",
     ] {
         assert!(
             all.iter().any(|k| k.entrypoint.starts_with(kernel)),

@@ -248,6 +248,7 @@ enum Variant {
     QkNormRope(usize),
     QkvStore { heads: usize, kv_heads: usize, head_dim: usize, idx_words: usize },
     Attention { head_dim: usize, groups: usize },
+    Confidence { hd: usize, rank: usize },
 }
 
 impl Variant {
@@ -262,6 +263,7 @@ impl Variant {
                 vec![super::fused::offline_qkv_store(heads, kv_heads, head_dim, idx_words)]
             }
             Variant::Attention { head_dim, groups } => super::attention::offline_attention(head_dim, groups),
+            Variant::Confidence { hd, rank } => vec![super::confidence::offline_confidence(hd, rank)],
         }
     }
 }
@@ -318,6 +320,12 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
             }
         }
         all.insert(Variant::Attention { head_dim: m.head_dim, groups: m.heads / m.kv_heads });
+        // A draft's confidence head, with and without the Markov embedding term.
+        if let Some((_, rank)) = m.draft {
+            for rank in [rank, 0] {
+                all.insert(Variant::Confidence { hd: m.hidden, rank });
+            }
+        }
     }
     all
 }

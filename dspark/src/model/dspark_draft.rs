@@ -149,6 +149,9 @@ pub struct DSparkDraft {
     /// Sampling proposals hand out their device rows instead of host `q` (see
     /// [`Speculator::set_q_on_device`]).
     q_on_device: bool,
+    /// The confidence head stays on the host even where the Markov pass runs on the device (see
+    /// [`DSparkDraft::set_device_confidence`]).
+    host_confidence: bool,
     /// Cos/sin of every position, built for the first recorded round.
     rope_table: std::sync::OnceLock<(Tensor<2>, Tensor<2>)>,
     /// Recorded greedy rounds (CUDA); dropped whenever the weights or heads change.
@@ -483,7 +486,8 @@ impl DSparkDraft {
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
         let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 } = parts;
         let device_markov = if dspark_kernels::kernels_available(&device) {
-            DeviceMarkov::new(markov.as_ref(), None, None, dtype, &device)?
+            let head = confidence.as_ref().map(|c| (c, b.hidden_size));
+            DeviceMarkov::new(markov.as_ref(), None, None, head, dtype, &device)?
         } else {
             None
         };
@@ -492,6 +496,7 @@ impl DSparkDraft {
         Ok(Self {
             device_markov,
             q_on_device: false,
+            host_confidence: false,
             layer_ids,
             dtype,
             embed_tokens: target.embed_tokens,
@@ -526,12 +531,31 @@ impl DSparkDraft {
         self.device_markov.is_some()
     }
 
+    /// Evaluate the confidence head on the device with the Markov pass (`true`, the default
+    /// wherever that pass runs there: a round then reads back γ logits a lane, and the host makes
+    /// no dot products) or on the host in f64 from the block's hidden rows, read back (`false`).
+    /// The two differ by f32 rounding of the logit only. Returns whether the head now runs on
+    /// the device (never without the device Markov pass or a confidence head).
+    pub fn set_device_confidence(&mut self, on: bool) -> bool {
+        self.host_confidence = !on;
+        if self.device_markov.is_some() {
+            self.graphs = Graphs::default();
+            // The same shapes as the upload before this one.
+            self.device_markov = self.upload_markov().ok().flatten();
+        }
+        self.device_markov.as_ref().is_some_and(DeviceMarkov::has_confidence)
+    }
+
     /// The device copy of the Markov head, from the host copy (and its FP8 bytes, if any).
     fn upload_markov(&self) -> Result<Option<DeviceMarkov>> {
         DeviceMarkov::new(
             self.markov.as_ref(),
             self.markov_w2_fp8.as_ref(),
             self.draft_vocab.as_ref(),
+            self.confidence
+                .as_ref()
+                .filter(|_| !self.host_confidence)
+                .map(|c| (c, self.config.base.hidden_size)),
             self.dtype,
             &self.device,
         )
@@ -994,11 +1018,18 @@ impl DSparkDraft {
             host.ints.resize(4 * stride, 0);
             host.ints.extend(super::markov_device::draw_words(&params, &contexts, gamma));
         }
-        let with_hidden = self.confidence.is_some();
+        // The confidence head runs on the device with the Markov steps; only a head that could
+        // not be uploaded there needs the hidden rows back.
+        let confidence =
+            match (&self.confidence, self.device_markov.as_ref().is_some_and(DeviceMarkov::has_confidence)) {
+                (None, _) => ConfidenceOut::None,
+                (Some(_), true) => ConfidenceOut::Logits,
+                (Some(_), false) => ConfidenceOut::Hidden,
+            };
         let key = ShapeKey {
             rows: n,
             ints: host.ints.len(),
-            detail: vec![lanes.len(), usize::from(with_hidden), usize::from(sampling)],
+            detail: vec![lanes.len(), confidence as usize, usize::from(sampling)],
         };
         let pool_rows = self.cache.pools(0).map_or(0, |(k, _)| k.dims()[0]);
         let id = self.cache.graph_id().unwrap_or(0);
@@ -1030,18 +1061,24 @@ impl DSparkDraft {
             let anchors = inputs.ints(3 * stride, lane_count);
             let (tokens, rows) = if sampling {
                 let draws = inputs.ints(4 * stride, 3 * n);
-                let (tokens, rows) = markov.sampled(anchors, logits, gamma, draws);
+                let (tokens, rows) = markov.sampled(anchors.clone(), logits, gamma, draws);
                 (tokens, Some(rows))
             } else {
-                (markov.greedy(anchors, logits, gamma), None)
+                (markov.greedy(anchors.clone(), logits, gamma), None)
             };
-            let tokens = tokens.float().cast(DType::F32).reshape([1, n]);
-            let first = if with_hidden {
-                Tensor::cat(vec![tokens, to32(hidden).reshape([1, n * h])], 1)
-            } else {
-                tokens
+            let tokens = tokens.reshape([n]);
+            let after = match confidence {
+                ConfidenceOut::None => None,
+                ConfidenceOut::Logits => markov.confidence_logits(hidden, anchors, tokens.clone()),
+                ConfidenceOut::Hidden => Some(to32(hidden).reshape([n * h])),
             };
-            Ok(std::iter::once(first).chain(rows).collect())
+            let tokens = tokens.float().cast(DType::F32);
+            let first = match after {
+                Some(after) => Tensor::cat(vec![tokens, after], 0),
+                None => tokens,
+            };
+            let width = first.dims()[0];
+            Ok(std::iter::once(first.reshape([1, width])).chain(rows).collect())
         });
         self.give_back_scratch(lanes, &contexts);
         let mut outs = match ran {
@@ -1056,7 +1093,7 @@ impl DSparkDraft {
         if sampling && rows.is_none() {
             return Some(Err(Error::Backend("a recorded round returned no draft rows".into())));
         }
-        Some(Ok(Launched { out, rows, sampling, keep, n }))
+        Some(Ok(Launched { out, confidence, rows, sampling, keep, n }))
     }
 
     /// The proposals of a launched round from its host values: `out` the first output (tokens,
@@ -1074,7 +1111,7 @@ impl DSparkDraft {
             (self.config.block_size, self.config.base.hidden_size, self.config.base.vocab_size);
         let (n, sampling, keep) = (launched.n, launched.sampling, launched.keep);
         let kept = launched.rows.as_ref().filter(|_| keep);
-        let (tokens, hidden) = out.split_at(n.min(out.len()));
+        let (tokens, after) = out.split_at(n.min(out.len()));
         let mut q = if sampling && !keep {
             let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
             super::markov_device::q_rows(rows, vocab, &params, gamma)
@@ -1087,8 +1124,15 @@ impl DSparkDraft {
             .enumerate()
             .map(|(i, lane)| {
                 let tokens: Vec<u32> = tokens[i * gamma..(i + 1) * gamma].iter().map(|&t| t as u32).collect();
-                let confidence =
-                    self.confidences(lane.anchor, &tokens, &hidden[(i * gamma * h).min(hidden.len())..]);
+                let confidence = match launched.confidence {
+                    ConfidenceOut::None => None,
+                    ConfidenceOut::Logits => after
+                        .get(i * gamma..(i + 1) * gamma)
+                        .map(|l| l.iter().map(|&x| sigmoid(f64::from(x))).collect()),
+                    ConfidenceOut::Hidden => {
+                        self.confidences(lane.anchor, &tokens, &after[(i * gamma * h).min(after.len())..])
+                    }
+                };
                 let q = q.next().filter(|_| !lane.params.is_greedy());
                 let q_rows = kept
                     .filter(|_| !lane.params.is_greedy())
@@ -1178,7 +1222,7 @@ impl DSparkDraft {
                 let h_k = &hidden[k * h..(k + 1) * h];
                 let e = self.markov.as_ref().map(|m| m.embed(prev));
                 let x = c.logit(h_k, e.as_deref());
-                out.push((1.0 / (1.0 + (-x).exp())) as f32);
+                out.push(sigmoid(x));
                 prev = token;
             }
             out
@@ -1248,9 +1292,11 @@ pub struct MarkovPass {
 
 /// A recorded round queued on the device (see `DSparkDraft::launch_recorded`).
 struct Launched {
-    /// f32 `[1, n (+ n · hidden)]`: the tokens, then the block's hidden rows for the confidence
-    /// head.
+    /// f32 `[1, n (+ n) or (+ n · hidden)]`: the tokens, then the confidence head's logits
+    /// (made on the device) or the block's hidden rows (for the host's confidence head).
     out: Tensor<2>,
+    /// What follows the tokens in `out`.
+    confidence: ConfidenceOut,
     /// The corrected rows `[n, V]` the tokens were drawn from (sampling rounds).
     rows: Option<Tensor<2>>,
     sampling: bool,
@@ -1258,6 +1304,22 @@ struct Launched {
     keep: bool,
     /// Draft rows: lanes · γ.
     n: usize,
+}
+
+/// What a recorded round returns for the confidence head after its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ConfidenceOut {
+    /// No confidence head.
+    None,
+    /// The logits of the rows, made on the device: `n` values.
+    Logits,
+    /// The block's hidden rows, for the host's head: `n · hidden` values.
+    Hidden,
+}
+
+/// `σ(x)`, the confidence of a logit, as the host's head makes it.
+fn sigmoid(x: f64) -> f32 {
+    (1.0 / (1.0 + (-x).exp())) as f32
 }
 
 /// Check the draft against its target; resolve the feature layers.
@@ -1390,16 +1452,24 @@ impl Speculator for DSparkDraft {
             let anchors: Vec<u32> = lanes.iter().map(|l| l.anchor).collect();
             let params: Vec<&SamplingParams> = lanes.iter().map(|l| l.params).collect();
             let positions = lanes.iter().map(|l| self.cache.len(l.seq)).collect::<Result<Vec<_>>>()?;
-            // The block's hidden rows come back only for the confidence head (γ·H floats a lane).
-            let hidden = match &self.confidence {
-                Some(_) => read_f32(hidden)?,
-                None => Vec::new(),
+            // The confidence head runs on the device where it could be uploaded there; otherwise
+            // the block's hidden rows come back for the host's (γ·H floats a lane).
+            // (The rows in the draft's dtype again, exactly: the kernel reads bf16.)
+            let on_device = self.confidence.is_some() && dev.has_confidence();
+            let rows = on_device.then(|| hidden.clone().cast(self.dtype.dtype()));
+            let round = dev.run(&anchors, logits, gamma, &params, &positions, self.q_on_device, rows)?;
+            let hidden = match (&self.confidence, &round.confidence_logits) {
+                (Some(_), None) => read_f32(hidden)?,
+                _ => Vec::new(),
             };
-            let round = dev.run(&anchors, logits, gamma, &params, &positions, self.q_on_device)?;
             let mut proposals = Vec::with_capacity(lanes.len());
             for (i, ((tokens, q), lane)) in round.tokens.into_iter().zip(round.q).zip(lanes).enumerate() {
-                let confidence =
-                    self.confidences(lane.anchor, &tokens, &hidden[(i * gamma * h).min(hidden.len())..]);
+                let confidence = match &round.confidence_logits {
+                    Some(logits) => logits.get(i).map(|l| l.iter().map(|&x| sigmoid(f64::from(x))).collect()),
+                    None => {
+                        self.confidences(lane.anchor, &tokens, &hidden[(i * gamma * h).min(hidden.len())..])
+                    }
+                };
                 let sampled = !lane.params.is_greedy();
                 let q_rows = round
                     .rows
@@ -1427,7 +1497,7 @@ impl Speculator for DSparkDraft {
                 position,
             );
             let confidence = (!pass.confidence_logits.is_empty())
-                .then(|| pass.confidence_logits.iter().map(|&x| (1.0 / (1.0 + (-x).exp())) as f32).collect());
+                .then(|| pass.confidence_logits.iter().map(|&x| sigmoid(x)).collect());
             out.push(Proposal {
                 tokens: pass.tokens,
                 q: (!lane.params.is_greedy()).then_some(pass.q),

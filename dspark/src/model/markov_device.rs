@@ -11,8 +11,12 @@
 //!
 //! Only this crate's kernels and data movement run here: no reduction or matmul of burn's,
 //! whose autotuning would run throughput probes (a 2 GiB transient allocation on the H200) on
-//! the first round. The confidence head (γ dot products per lane) is evaluated on the host from
-//! the block's hidden rows, exactly as the host pass does.
+//! the first round. The confidence head (γ dot products per lane) runs here too
+//! ([`dspark_kernels::confidence_logits`]: f32 sums from the block's hidden rows and the
+//! `markov_w1` rows of the previous tokens, in the draft's dtype), so a round reads back γ logits
+//! a lane instead of its γ hidden rows; the host pass makes the same logits in f64, and the two
+//! confidences differ by f32 rounding (checked below 1e-5). `DSparkDraft::set_device_confidence`
+//! moves the head back to the host.
 //!
 //! The bias `W2 · W1[prev]` is computed in the draft's dtype (f32 accumulation on the bf16
 //! kernel path; for an FP8 draft, whose `W2` is e4m3 with per-row scales, on the FP8 kernel
@@ -24,7 +28,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use super::draft_vocab::DraftVocab;
 use super::fp8::{QuantizedRows, per_channel_weight};
 use super::layer::Weight;
-use super::markov::{MarkovHead, softmax_t};
+use super::markov::{ConfidenceHead, MarkovHead, softmax_t};
 use crate::device::ComputeDtype;
 use crate::engine::read_f32;
 use crate::error::{Error, Result};
@@ -40,7 +44,21 @@ pub(crate) struct DeviceMarkov {
     w: Option<(Tensor<2>, Weight)>,
     /// With a restricted draft vocabulary the steps choose indices into it, not token ids.
     vocab: Option<DeviceVocab>,
+    /// The confidence head, evaluated on the device from the block's hidden rows.
+    confidence: Option<DeviceConfidence>,
     device: Device,
+}
+
+/// A device copy of the confidence head `c_k = σ(w · [h_k ; W1[x_{k−1}]] + b)`.
+#[derive(Debug, Clone)]
+struct DeviceConfidence {
+    /// `proj.weight` `[H (+ r)]`, f32.
+    weight: Tensor<1>,
+    /// `proj.bias`.
+    bias: f32,
+    /// Whether the logit reads `W1[x_{k−1}]` (the `markov_w1` rows held for the Markov steps,
+    /// in the draft's dtype).
+    with_markov: bool,
 }
 
 /// A restricted draft vocabulary on the device.
@@ -75,13 +93,17 @@ pub(crate) struct DeviceRound {
     /// The corrected rows `[lanes·γ, V]` (f32) the tokens were drawn from, when asked to keep
     /// them on the device instead of making `q`.
     pub rows: Option<Tensor<2>>,
+    /// `[lane][k]` confidence logits, when the block's hidden rows were given and the confidence
+    /// head runs on the device.
+    pub confidence_logits: Option<Vec<Vec<f32>>>,
 }
 
 impl DeviceMarkov {
     /// Upload the Markov head; `None` for the gated and rnn heads, which stay on the host pass.
     /// `w2_fp8`: the e4m3 bytes and per-row scales `markov.w2` was dequantised from (an FP8
     /// draft), kept as FP8 where the device runs FP8 products. `vocab`: the draft vocabulary
-    /// when restricted (only its rows of `W2` are uploaded).
+    /// when restricted (only its rows of `W2` are uploaded). `confidence`: the confidence head
+    /// and the hidden width, when the draft has one.
     ///
     /// # Errors
     /// When the FP8 copy does not upload (a shape that does not match the head).
@@ -89,6 +111,7 @@ impl DeviceMarkov {
         markov: Option<&MarkovHead>,
         w2_fp8: Option<&QuantizedRows>,
         vocab: Option<&DraftVocab>,
+        confidence: Option<(&ConfidenceHead, usize)>,
         dtype: ComputeDtype,
         device: &Device,
     ) -> Result<Option<Self>> {
@@ -152,7 +175,38 @@ impl DeviceMarkov {
                     .map(|m| upload(&pick(&m.w1, m.rank), [d.len(), m.rank], dtype.dtype())),
             }
         });
-        Ok(Some(Self { w, vocab, device: device.clone() }))
+        // The confidence head reads `W1[x_{k−1}]` from the Markov steps' table, when there is
+        // one and the head's weights cover it (the loader checks they do).
+        let confidence = confidence.map(|(c, hidden)| {
+            let rank = w.as_ref().map_or(0, |(w1, _)| w1.dims()[1]);
+            let with_markov = c.with_markov && rank > 0 && c.weight.len() >= hidden + rank;
+            let n = c.weight.len();
+            let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
+            let weight = crate::device::persistent(device, TensorData::new(c.weight.clone(), [n]), |data| {
+                Tensor::<1>::from_data(data, options.clone())
+            });
+            DeviceConfidence { weight, bias: c.bias, with_markov }
+        });
+        Ok(Some(Self { w, vocab, confidence, device: device.clone() }))
+    }
+
+    /// Whether the confidence head runs here (see [`Self::confidence_logits`]).
+    pub(crate) fn has_confidence(&self) -> bool {
+        self.confidence.is_some()
+    }
+
+    /// The confidence head's logits of the blocks' rows, on the device
+    /// ([`dspark_kernels::confidence_logits`]): `hidden` `[lanes·γ, H]`, `anchors` `[lanes]`,
+    /// `tokens` `[lanes·γ]` (token ids, the drafts of the rows). `None` without a head.
+    pub(crate) fn confidence_logits(
+        &self,
+        hidden: Tensor<2>,
+        anchors: Tensor<1, Int>,
+        tokens: Tensor<1, Int>,
+    ) -> Option<Tensor<1>> {
+        let c = self.confidence.as_ref()?;
+        let table = self.w.as_ref().map(|(w1, _)| w1).filter(|_| c.with_markov);
+        Some(dspark_kernels::confidence_logits(hidden, table, anchors, tokens, &c.weight, c.bias))
     }
 
     /// `W1[prev]` at step `k`: `prev` holds token ids at the first step (the anchors) and, with a
@@ -193,7 +247,10 @@ impl DeviceMarkov {
 
     /// The γ steps for every lane: `base` `[lanes·γ, V]` (f32) from the block forward; lane `i`
     /// starts from `anchors[i]`, samples with `params[i]`, and its block decides positions
-    /// `positions[i] + 1 ..` (the keys of its sampling coins).
+    /// `positions[i] + 1 ..` (the keys of its sampling coins). With the block's `hidden` rows
+    /// `[lanes·γ, H]` and a confidence head here, the confidence logits come back in the same
+    /// read as the tokens.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn run(
         &self,
         anchors: &[u32],
@@ -202,6 +259,7 @@ impl DeviceMarkov {
         params: &[&SamplingParams],
         positions: &[usize],
         keep_rows: bool,
+        hidden: Option<Tensor<2>>,
     ) -> Result<DeviceRound> {
         let lanes = anchors.len();
         let [_, v] = base.dims();
@@ -214,13 +272,12 @@ impl DeviceMarkov {
             tokens: vec![Vec::with_capacity(gamma); lanes],
             q: vec![Vec::new(); lanes],
             rows: None,
+            confidence_logits: None,
         };
+        let anchors = prev.clone();
         if greedy {
-            let tokens = self.greedy(prev, base, gamma).into_data().convert::<i64>();
-            let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-            for (i, row) in tokens.chunks(gamma).enumerate() {
-                round.tokens[i] = row.iter().map(|&t| t as u32).collect();
-            }
+            let tokens = self.greedy(prev, base, gamma);
+            self.read_tokens(&mut round, tokens, hidden, anchors)?;
             return Ok(round);
         }
         // Sampling lanes draw on the device from their coins; one read of the tokens at the end,
@@ -229,11 +286,7 @@ impl DeviceMarkov {
         let words = draw_words(params, positions, gamma);
         let draws = Tensor::<1, Int>::from_data(TensorData::new(words, [3 * lanes * gamma]), &self.device);
         let (tokens, rows) = self.sampled(prev, base, gamma, draws);
-        let tokens = tokens.into_data().convert::<i64>();
-        let tokens = tokens.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?;
-        for (i, row) in tokens.chunks(gamma).enumerate() {
-            round.tokens[i] = row.iter().map(|&t| t as u32).collect();
-        }
+        self.read_tokens(&mut round, tokens, hidden, anchors)?;
         if keep_rows {
             round.rows = Some(rows);
         } else {
@@ -241,6 +294,37 @@ impl DeviceMarkov {
             round.q = q_rows(&read_f32(rows)?, width, params, gamma);
         }
         Ok(round)
+    }
+
+    /// Reads the chosen tokens `[lanes, γ]` into `round`, with their rows' confidence logits in
+    /// the same read when `hidden` is given and the head runs here (token ids are below 2²⁴, so
+    /// exact as f32).
+    fn read_tokens(
+        &self,
+        round: &mut DeviceRound,
+        tokens: Tensor<2, Int>,
+        hidden: Option<Tensor<2>>,
+        anchors: Tensor<1, Int>,
+    ) -> Result<()> {
+        let [lanes, gamma] = tokens.dims();
+        let n = lanes * gamma;
+        let flat = tokens.reshape([n]);
+        let (ids, logits): (Vec<i64>, Option<Vec<f32>>) =
+            match hidden.and_then(|h| self.confidence_logits(h, anchors, flat.clone())) {
+                Some(conf) => {
+                    let values = read_f32(Tensor::cat(vec![flat.float().cast(DType::F32), conf], 0))?;
+                    (values[..n].iter().map(|&t| t as i64).collect(), Some(values[n..].to_vec()))
+                }
+                None => {
+                    let data = flat.into_data().convert::<i64>();
+                    (data.try_to_vec::<i64>().map_err(|e| Error::Backend(format!("{e:?}")))?, None)
+                }
+            };
+        for (i, row) in ids.chunks(gamma).enumerate() {
+            round.tokens[i] = row.iter().map(|&t| t as u32).collect();
+        }
+        round.confidence_logits = logits.map(|l| l.chunks(gamma).map(<[f32]>::to_vec).collect());
+        Ok(())
     }
 
     /// Step `k`'s corrected logits `base[:, k] + W2 · W1[prev]` (f32, `[lanes, V']`; `base` may
