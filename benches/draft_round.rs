@@ -83,10 +83,10 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "0")]
     draft_vocab: Vec<usize>,
     /// Where a `c` layout's confidence head runs, each a table row per layout and weights:
-    /// `device` (with the device Markov pass, the library's default: γ logits a lane read back)
-    /// or `host` (the block's hidden rows read back, f64 dot products on the host;
-    /// `DSparkDraft::set_device_confidence(false)`; the weights column then reads e.g. `fp8h,
-    /// host confidence`), for an A/B in one call.
+    /// `device` (with the device Markov pass: γ logits a lane read back;
+    /// `DSparkDraft::set_device_confidence(true)`) or `host` (the block's hidden rows read back,
+    /// f64 dot products on the host, the library's default while the device head is staged; the
+    /// weights column then reads e.g. `fp8h, host confidence`), for an A/B in one call.
     #[arg(long, value_delimiter = ',', default_value = "device", value_parser = ["device", "host"])]
     confidence: Vec<String>,
     /// Launch modes to time, each a table row per layout and weights: `on` (forwards, draft
@@ -424,6 +424,7 @@ fn main() -> dspark::Result<()> {
                 draft.set_device_confidence(false);
                 format!("{weights}, host confidence")
             } else {
+                draft.set_device_confidence(true);
                 weights
             };
             let width = draft.feature_layers().len() * config.hidden_size;

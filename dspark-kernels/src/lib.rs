@@ -24,6 +24,7 @@ static PAGED_REFERENCE: AtomicBool = AtomicBool::new(false);
 static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
 static TILE_PADDING: AtomicBool = AtomicBool::new(true);
 static INT_VIEWS: AtomicBool = AtomicBool::new(true);
+static CONFIDENCE_KERNEL: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -67,6 +68,22 @@ pub fn set_tile_padding(enabled: bool) {
 #[doc(hidden)]
 pub fn set_int_views(enabled: bool) {
     INT_VIEWS.store(enabled, Ordering::Relaxed);
+}
+
+/// Drafts built (or switched to the device Markov pass) from now on evaluate their confidence
+/// head with [`confidence_logits`] beside the device Markov pass, so a round reads back γ logits
+/// a lane instead of its hidden rows (`DSparkDraft::set_device_confidence` chooses per draft).
+/// Staged: off by default until its GPU checks (`benches/gpu_confidence.sh check`) have run.
+/// Process-wide.
+#[doc(hidden)]
+pub fn set_confidence_kernel(enabled: bool) {
+    CONFIDENCE_KERNEL.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether new drafts run their confidence head on the device (see [`set_confidence_kernel`]).
+#[doc(hidden)]
+pub fn confidence_kernel() -> bool {
+    CONFIDENCE_KERNEL.load(Ordering::Relaxed)
 }
 
 /// Whether [`int_view`] shares buffers (see [`set_int_views`]).

@@ -21,6 +21,8 @@ fn engine(device_markov: bool) -> Engine {
     let t = target();
     let mut d = draft(&t);
     assert_eq!(d.set_device_markov(device_markov), device_markov, "the shipped draft has a vanilla head");
+    // The confidence head with the device pass (staged off by default).
+    assert_eq!(d.set_device_confidence(true), device_markov);
     Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap()
 }
 
@@ -96,6 +98,9 @@ fn device_markov_proposals_match_the_host_pass() {
 fn proposals_match_the_host_pass(fp8: bool) {
     use dspark::{ProposeLane, Speculator};
     let (mut d, seqs, anchor) = draft_after_prompt_as(1, fp8);
+    // With the device pass, the confidence head runs on the device too (the CPU body of its
+    // kernel): its confidences against the host's f64 ones.
+    d.set_device_confidence(true);
     let dseq = seqs[0];
     let greedy = SamplingParams::greedy(8);
     let sampled = SamplingParams { temperature: 0.8, seed: 3, ..SamplingParams::greedy(8) };

@@ -16,6 +16,7 @@ use dspark::{
 fn restricted(target: &Qwen3, tokens: usize, device_markov: bool) -> DSparkDraft {
     let mut d = trained_draft(target);
     assert_eq!(d.set_device_markov(device_markov), device_markov);
+    d.set_device_confidence(true);
     let bytes = d.restrict_vocab(DraftVocab::leading(tokens, 4096).unwrap()).unwrap();
     assert_eq!(d.draft_vocab().map(DraftVocab::len), Some(tokens));
     // f32 on the CPU: `tokens` rows of 256.

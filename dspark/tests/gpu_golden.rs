@@ -19,7 +19,8 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 
 /// Set the kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated: `pad-tiles` /
 /// `no-pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` / `no-int-views` for
-/// `dspark_kernels::set_int_views`, `norm-threads-N` for `dspark_kernels::set_norm_threads`),
+/// `dspark_kernels::set_int_views`, `norm-threads-N` for `dspark_kernels::set_norm_threads`,
+/// `confidence-kernel` for `dspark_kernels::set_confidence_kernel`),
 /// so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced (`benches/gpu_tiles.sh check`). Unset: the
 /// library's defaults (both on). An unknown name fails the test rather than being ignored.
@@ -31,6 +32,7 @@ fn staged_switches() {
             "no-pad-tiles" => dspark_kernels::set_tile_padding(false),
             "int-views" => dspark_kernels::set_int_views(true),
             "no-int-views" => dspark_kernels::set_int_views(false),
+            "confidence-kernel" => dspark_kernels::set_confidence_kernel(true),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),
@@ -203,6 +205,7 @@ fn spec_greedy(dtype: ComputeDtype, strict: bool) {
 /// GPU machine).
 #[test]
 fn cuda_bf16_trained_pair_greedy_speculative_equals_target_only() {
+    staged_switches();
     // bf16 on CUDA runs the skinny GEMM (every projection and the LM head) and the paged
     // attention kernel (head_dim 64): both reduce a row in an order that does not depend on how
     // many rows share the call, so a verify window reproduces one-row decoding bit for bit and
@@ -388,6 +391,7 @@ fn trained_requests(n: usize, tokens: usize) -> Vec<Request> {
 
 #[test]
 fn cuda_bf16_trained_pair_fp8_draft_greedy_speculative_equals_target_only() {
+    staged_switches();
     // Issue 8 item 4 and 5: the draft's projections in FP8 kept as FP8 on the device (the FP8
     // skinny GEMM), then also an FP8 LM head for its base logits; greedy output must still
     // equal target-only output, and τ is reported beside the bf16 draft's.
@@ -441,6 +445,7 @@ fn cuda_bf16_trained_pair_fp8_draft_greedy_speculative_equals_target_only() {
 
 #[test]
 fn cuda_bf16_fp8_draft_sampled_output_has_the_target_distribution() {
+    staged_switches();
     // The golden pair's FP8 + FP8-head draft, then the same restricted to a draft vocabulary of
     // 64 of 512 tokens (the 24 likeliest second tokens and the lowest ids): the second token
     // follows the target either way.
@@ -709,6 +714,7 @@ impl dspark::Speculator for HostQ {
 
 #[test]
 fn cuda_bf16_trained_pair_sampled_device_acceptance_equals_the_host_chain() {
+    staged_switches();
     // Sampled speculative decoding of the trained pair with top-k and top-p: verified on the
     // device (`chain_accept`, the proposal rows left there) and on the host (the same draft
     // handing out host q), with the same seeds. The two rules differ by f64 rounding only, so

@@ -30,6 +30,9 @@ fn run(
     let t = Qwen3::load(target, LoadOptions::default()).unwrap();
     let mut d = DSparkDraft::load(draft, &t, LoadOptions::default(), &DraftCacheConfig::default()).unwrap();
     assert!(d.set_device_markov(true), "the draft's head runs on the device pass");
+    // A confidence head (where the draft has one) beside it: the one-sync round's single read
+    // carries its logits.
+    d.set_device_confidence(true);
     let config = EngineConfig { verify, one_sync_rounds, ..EngineConfig::default() };
     let mut e = Engine::with_draft(t, Box::new(d), &config).unwrap();
     let out = e.generate(requests).unwrap();

@@ -34,6 +34,7 @@ fn recorded_forwards_read_their_inputs_from_the_device_and_change_no_token() {
         )
         .unwrap();
         assert!(draft.set_device_markov(true), "the trained draft's head runs on the device pass");
+        assert!(draft.set_device_confidence(true), "and its confidence head too");
         if let Some(n) = tokens {
             draft.restrict_vocab(dspark::DraftVocab::leading(n, 4096).unwrap()).unwrap();
         }

@@ -486,7 +486,10 @@ impl DSparkDraft {
         let rope = Rope::new(b.rope_theta_value().unwrap_or(1e6), b.head_dim());
         let Parts { layer_ids, fc, hidden_norm, layers, norm, markov, confidence, fp8 } = parts;
         let device_markov = if dspark_kernels::kernels_available(&device) {
-            let head = confidence.as_ref().map(|c| (c, b.hidden_size));
+            let head = confidence
+                .as_ref()
+                .filter(|_| dspark_kernels::confidence_kernel())
+                .map(|c| (c, b.hidden_size));
             DeviceMarkov::new(markov.as_ref(), None, None, head, dtype, &device)?
         } else {
             None
@@ -496,7 +499,7 @@ impl DSparkDraft {
         Ok(Self {
             device_markov,
             q_on_device: false,
-            host_confidence: false,
+            host_confidence: !dspark_kernels::confidence_kernel(),
             layer_ids,
             dtype,
             embed_tokens: target.embed_tokens,
@@ -531,11 +534,12 @@ impl DSparkDraft {
         self.device_markov.is_some()
     }
 
-    /// Evaluate the confidence head on the device with the Markov pass (`true`, the default
-    /// wherever that pass runs there: a round then reads back γ logits a lane, and the host makes
-    /// no dot products) or on the host in f64 from the block's hidden rows, read back (`false`).
-    /// The two differ by f32 rounding of the logit only. Returns whether the head now runs on
-    /// the device (never without the device Markov pass or a confidence head).
+    /// Evaluate the confidence head on the device with the Markov pass (`true`: a round then
+    /// reads back γ logits a lane, and the host makes no dot products) or on the host in f64 from
+    /// the block's hidden rows, read back (`false`; the default until the device head has passed
+    /// its GPU checks, see `dspark_kernels::set_confidence_kernel`). The two differ by f32
+    /// rounding of the logit only. Returns whether the head now runs on the device (never
+    /// without the device Markov pass or a confidence head).
     pub fn set_device_confidence(&mut self, on: bool) -> bool {
         self.host_confidence = !on;
         if self.device_markov.is_some() {

@@ -11,12 +11,12 @@
 //!
 //! Only this crate's kernels and data movement run here: no reduction or matmul of burn's,
 //! whose autotuning would run throughput probes (a 2 GiB transient allocation on the H200) on
-//! the first round. The confidence head (γ dot products per lane) runs here too
-//! ([`dspark_kernels::confidence_logits`]: f32 sums from the block's hidden rows and the
-//! `markov_w1` rows of the previous tokens, in the draft's dtype), so a round reads back γ logits
-//! a lane instead of its γ hidden rows; the host pass makes the same logits in f64, and the two
-//! confidences differ by f32 rounding (checked below 1e-5). `DSparkDraft::set_device_confidence`
-//! moves the head back to the host.
+//! the first round. The confidence head (γ dot products per lane) can run here too
+//! (`DSparkDraft::set_device_confidence`; [`dspark_kernels::confidence_logits`]: f32 sums from
+//! the block's hidden rows and the `markov_w1` rows of the previous tokens, in the draft's
+//! dtype), so a round reads back γ logits a lane instead of its γ hidden rows; the host pass
+//! makes the same logits in f64, and the two confidences differ by f32 rounding (checked below
+//! 1e-5). Until the device head has passed its GPU checks it stays on the host by default.
 //!
 //! The bias `W2 · W1[prev]` is computed in the draft's dtype (f32 accumulation on the bf16
 //! kernel path; for an FP8 draft, whose `W2` is e4m3 with per-row scales, on the FP8 kernel
