@@ -89,6 +89,13 @@ struct Args {
     /// weights column then reads e.g. `fp8h, host confidence`), for an A/B in one call.
     #[arg(long, value_delimiter = ',', default_value = "device", value_parser = ["device", "host"])]
     confidence: Vec<String>,
+    /// How FP8 drafts hold their gate/up weights, each a table row per layout and weights:
+    /// `off` (stacked, the product then the SwiGLU kernel: the library's default while staged)
+    /// or `on` (paired, the SwiGLU as the product's epilogue: `dspark_kernels::set_fp8_swiglu`;
+    /// the weights column then reads e.g. `fp8h, SwiGLU epilogue`), for an A/B in one call.
+    /// bf16 drafts take the epilogue always.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["off", "on"])]
+    fp8_swiglu: Vec<String>,
     /// Launch modes to time, each a table row per layout and weights: `on` (forwards, draft
     /// rounds and context extensions replayed as recorded CUDA graphs) or `off` (op by op).
     #[arg(long, value_delimiter = ',', default_value = "on")]
@@ -363,17 +370,27 @@ fn main() -> dspark::Result<()> {
         for l in &args.layouts {
             for w in &args.weights {
                 for v in &args.draft_vocab {
-                    combos.extend(args.confidence.iter().map(|c| (l.clone(), w.clone(), *v, c.clone())));
+                    for c in &args.confidence {
+                        combos.extend(
+                            args.fp8_swiglu.iter().map(|e| (l.clone(), w.clone(), *v, c.clone(), e.clone())),
+                        );
+                    }
                 }
             }
         }
-        for (spec, weights, draft_vocab, head_on) in combos {
+        for (spec, weights, draft_vocab, head_on, epilogue) in combos {
             let (spec, weights) = (&spec, &weights);
             let confidence = spec.ends_with('c');
             if head_on == "host" && !confidence {
                 // Without a confidence head there is nothing to move: one row is enough.
                 continue;
             }
+            if epilogue == "on" && weights == "bf16" {
+                // bf16 gate/up weights are paired always: nothing to compare.
+                continue;
+            }
+            // Read when the draft's layers are built, below.
+            dspark_kernels::set_fp8_swiglu(epilogue == "on");
             let gamma: usize = spec
                 .trim_end_matches('c')
                 .parse()
@@ -405,9 +422,11 @@ fn main() -> dspark::Result<()> {
                     draft.quantize_lm_head()?;
                 }
                 eprintln!(
-                    "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8",
+                    "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8, {} layers' \
+                     gate/up paired for the SwiGLU epilogue",
                     t.elapsed().as_secs_f64(),
-                    draft.fp8_on_device()
+                    draft.fp8_on_device(),
+                    draft.fp8_swiglu_layers()
                 );
             }
             let weights = if draft_vocab > 0 {
@@ -416,6 +435,7 @@ fn main() -> dspark::Result<()> {
             } else {
                 weights.clone()
             };
+            let weights = if epilogue == "on" { format!("{weights}, SwiGLU epilogue") } else { weights };
             if args.emulate_graphs {
                 // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
                 draft.set_device_markov(true);

@@ -229,6 +229,35 @@ impl Fp8Matrix {
         })
     }
 
+    /// Gate and up weights with per-row scales paired as [`crate::pair_gate_up`] pairs dense
+    /// ones (16-row block `b`: gate rows `8b .. 8b + 8`, then up rows `8b .. 8b + 8`, each row
+    /// with its scale) for [`linear_fp8_swiglu`]; `None` for block scales (a 16-row block would
+    /// mix two matrices' 128-row blocks) or shapes that differ or do not pair (`out` a multiple
+    /// of 8). The new matrix is allocated as persistent memory, as uploads are.
+    pub fn pair_gate_up(gate: &Self, up: &Self) -> Option<Self> {
+        let [inter, inp] = gate.dims();
+        if gate.grid != ScaleGrid::PerRow
+            || up.grid != ScaleGrid::PerRow
+            || up.dims() != [inter, inp]
+            || !inter.is_multiple_of(8)
+            || !Self::shape_supported(2 * inter, inp)
+        {
+            return None;
+        }
+        let device = gate.words.device();
+        let parts = (gate.words.clone(), up.words.clone(), gate.scales.clone(), up.scales.clone());
+        let (words, scales) = device.memory_persistent_allocations(parts, |(gw, uw, gs, us)| {
+            let blocks = inter / 8;
+            let w = |t: Tensor<2, Int>| t.reshape([blocks, 8, inp / 4]);
+            let sc = |t: Tensor<1>| t.reshape([blocks, 8]);
+            (
+                Tensor::cat(vec![w(gw), w(uw)], 1).reshape([2 * inter, inp / 4]),
+                Tensor::cat(vec![sc(gs), sc(us)], 1).reshape([2 * inter]),
+            )
+        });
+        Some(Self { words, scales, out: 2 * inter, inp, grid: ScaleGrid::PerRow })
+    }
+
     /// Output rows `start..start + len`, or `None` when a block grid would be cut inside a
     /// block (or the range is empty, out of bounds or not a multiple of 16 rows).
     pub fn narrow_rows(&self, start: usize, len: usize) -> Option<Self> {
@@ -274,6 +303,26 @@ pub fn linear_fp8(x: Tensor<2>, weight: &Fp8Matrix) -> Tensor<2> {
         return crate::cuda::gemm_fp8::linear(x, weight);
     }
     crate::reference::linear_fp8(x, weight)
+}
+
+/// `silu(x·Gᵀ)·(x·Uᵀ)` for FP8 gate and up weights paired by [`Fp8Matrix::pair_gate_up`], as
+/// [`linear_fp8`] then [`crate::swiglu_cols`] compute it (the same bits). On CUDA, where the
+/// product does not cut the reduction (a Qwen3-8B-shaped draft's gate/up pair), the SwiGLU is the
+/// product's epilogue: one launch, and no `[rows, 2·inter]` intermediate.
+///
+/// # Shapes
+/// `x`: `[rows, in]`, `paired`: `[2·inter, in]` → `[rows, inter]`.
+pub fn linear_fp8_swiglu(x: Tensor<2>, paired: &Fp8Matrix) -> Tensor<2> {
+    #[cfg(feature = "cuda")]
+    if crate::kernels_enabled() && crate::cuda::gemm_fp8::takes_swiglu(&x, paired) {
+        return crate::cuda::gemm_fp8::linear_swiglu(x, paired);
+    }
+    let rows = x.dims()[0];
+    let inter = paired.out / 2;
+    let y = linear_fp8(x, paired).reshape([rows, inter / 8, 2, 8]);
+    let gate = y.clone().narrow(2, 0, 1).reshape([rows, inter]);
+    let up = y.narrow(2, 1, 1).reshape([rows, inter]);
+    crate::swiglu_cols(gate, up, 0, 0, inter)
 }
 
 /// [`crate::linear_add_rms_norm`] for an FP8 weight: `(s, RMSNorm(s)·norm)` with
@@ -373,6 +422,52 @@ mod tests {
         assert!(Fp8Matrix::cat_rows(&[blocks(144), blocks(128)]).is_none());
         assert!(Fp8Matrix::cat_rows(&[blocks(128), blocks(144)]).is_some());
         assert!(Fp8Matrix::cat_rows(&[parts[0].clone(), blocks(128)]).is_none());
+    }
+
+    #[test]
+    fn paired_gate_up_rows_keep_their_scales_and_the_swiglu_of_the_products() {
+        let (inter, inp, rows) = (32usize, 128usize, 3usize);
+        let m = |seed: u32, base: f32| {
+            let scales: Vec<f32> = (0..inter).map(|r| base + r as f32 * 1e-3).collect();
+            Fp8Matrix::upload(&bytes(inter * inp, seed), &scales, [inter, inp], ScaleGrid::PerRow, &cpu())
+                .expect("shape")
+        };
+        let (gate, up) = (m(1, 0.01), m(2, 0.02));
+        let paired = Fp8Matrix::pair_gate_up(&gate, &up).expect("per-row scales pair");
+        assert_eq!(paired.dims(), [2 * inter, inp]);
+        // Block b of 16 rows: gate rows 8b.., then up rows 8b.., each with its own scale.
+        let (p, g, u) = (
+            host(crate::reference::dequantize_fp8(&paired)),
+            host(crate::reference::dequantize_fp8(&gate)),
+            host(crate::reference::dequantize_fp8(&up)),
+        );
+        for r in 0..2 * inter {
+            let (b, i) = (r / 16, r % 16);
+            let src = if i < 8 { &g } else { &u };
+            let row = 8 * b + i % 8;
+            assert_eq!(&p[r * inp..(r + 1) * inp], &src[row * inp..(row + 1) * inp], "paired row {r}");
+        }
+        // The product with the SwiGLU: as the two products and the SwiGLU kernel's body.
+        let x = Tensor::<2>::random([rows, inp], burn::tensor::Distribution::Normal(0.0, 1.0), &cpu());
+        let got = host(linear_fp8_swiglu(x.clone(), &paired));
+        let want = host(crate::swiglu_cols(linear_fp8(x.clone(), &gate), linear_fp8(x, &up), 0, 0, inter));
+        assert_eq!(got.len(), rows * inter);
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "element {i}: {a} vs {b}");
+        }
+        // Block scales do not pair; nor do shapes that differ.
+        let blocks = Fp8Matrix::upload(
+            &bytes(inter * inp, 3),
+            &vec![0.5; ScaleGrid::Blocks.len(inter, inp)],
+            [inter, inp],
+            ScaleGrid::Blocks,
+            &cpu(),
+        )
+        .expect("shape");
+        assert!(Fp8Matrix::pair_gate_up(&blocks, &blocks).is_none());
+        let wider = Fp8Matrix::upload(&bytes(48 * inp, 4), &[0.1; 48], [48, inp], ScaleGrid::PerRow, &cpu())
+            .expect("shape");
+        assert!(Fp8Matrix::pair_gate_up(&gate, &wider).is_none());
     }
 
     #[test]

@@ -25,6 +25,7 @@ static TENSOR_CORE_ATTENTION: AtomicBool = AtomicBool::new(true);
 static TILE_PADDING: AtomicBool = AtomicBool::new(true);
 static INT_VIEWS: AtomicBool = AtomicBool::new(true);
 static CONFIDENCE_KERNEL: AtomicBool = AtomicBool::new(false);
+static FP8_SWIGLU: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -73,7 +74,7 @@ pub fn set_int_views(enabled: bool) {
 /// Drafts built (or switched to the device Markov pass) from now on evaluate their confidence
 /// head with [`confidence_logits`] beside the device Markov pass, so a round reads back γ logits
 /// a lane instead of its hidden rows (`DSparkDraft::set_device_confidence` chooses per draft).
-/// Staged: off by default until its GPU checks (`benches/gpu_confidence.sh check`) have run.
+/// Staged: off by default until its GPU checks (`benches/gpu_staged.sh check`) have run.
 /// Process-wide.
 #[doc(hidden)]
 pub fn set_confidence_kernel(enabled: bool) {
@@ -84,6 +85,22 @@ pub fn set_confidence_kernel(enabled: bool) {
 #[doc(hidden)]
 pub fn confidence_kernel() -> bool {
     CONFIDENCE_KERNEL.load(Ordering::Relaxed)
+}
+
+/// FP8 gate/up weights with per-row scales built from now on (kept as [`Fp8Matrix`]: where the
+/// FP8 kernel runs, or on the reference path of [`fp8::set_fp8_reference`]) are paired ([`Fp8Matrix::pair_gate_up`]) for [`linear_fp8_swiglu`], whose SwiGLU is the
+/// product's epilogue (one launch and no `[rows, 2·inter]` intermediate a draft layer), instead
+/// of stacked for [`linear_fp8`] and [`swiglu_cols`]; the same bits either way. Staged: off by
+/// default until its GPU checks (`benches/gpu_staged.sh check`) have run. Process-wide.
+#[doc(hidden)]
+pub fn set_fp8_swiglu(enabled: bool) {
+    FP8_SWIGLU.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether new FP8 gate/up weights are paired (see [`set_fp8_swiglu`]).
+#[doc(hidden)]
+pub fn fp8_swiglu() -> bool {
+    FP8_SWIGLU.load(Ordering::Relaxed)
 }
 
 /// Whether [`int_view`] shares buffers (see [`set_int_views`]).
@@ -160,7 +177,7 @@ pub fn kernels_enabled() -> bool {
     KERNELS.load(Ordering::Relaxed)
 }
 
-pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm};
+pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm, linear_fp8_swiglu};
 pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide};
 pub use graph::{
     DeviceGraph, GraphError, INT_VIEW_ALIGN, InputBuffer, graph_emulation, graphs_available, int_view,

@@ -1752,3 +1752,56 @@ fn confidence_logits_match_reference() {
         }
     }
 }
+
+#[test]
+fn linear_fp8_swiglu_matches_reference() {
+    use dspark_kernels::fp8::ScaleGrid;
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    // (in, inter): a Qwen3-8B-shaped draft's MLP with per-row scales, and a smaller one.
+    for (i, &(inp, inter)) in [(4096usize, 12288usize), (1024, 4608)].iter().enumerate() {
+        let gate = Fp8Case::new(inter, inp, ScaleGrid::PerRow, 300 + i as u64, &device);
+        let up = Fp8Case::new(inter, inp, ScaleGrid::PerRow, 400 + i as u64, &device);
+        let paired = dspark_kernels::Fp8Matrix::pair_gate_up(&gate.m, &up.m).unwrap();
+        let ends_cols: Vec<usize> = (0..inter).collect();
+        for &rows in &[1usize, 8, 17, 64, 100] {
+            let x = random(rows, inp, 1.0, &device);
+            poison(rows * inter, &device);
+            let got = host(dspark_kernels::linear_fp8_swiglu(x.clone(), &paired));
+            let what = format!("linear_fp8_swiglu {inp}->{inter} rows {rows}");
+            // The paired product, then the SwiGLU kernel: the same bits.
+            let y = dspark_kernels::linear_fp8(x.clone(), &paired).reshape([rows, inter / 8, 2, 8]);
+            let g = y.clone().narrow(2, 0, 1).reshape([rows, inter]);
+            let u = y.narrow(2, 1, 1).reshape([rows, inter]);
+            assert_eq!(
+                got,
+                host(dspark_kernels::swiglu_cols(g, u, 0, 0, inter)),
+                "{what}: vs product + swiglu"
+            );
+            // Two separate products, then the SwiGLU kernel: the same bits (the same plan).
+            let split = dspark_kernels::swiglu_cols(
+                dspark_kernels::linear_fp8(x.clone(), &gate.m),
+                dspark_kernels::linear_fp8(x.clone(), &up.m),
+                0,
+                0,
+                inter,
+            );
+            assert_eq!(got, host(split), "{what}: vs separate products");
+            // Float64 from the exact e4m3 values, first and last rows.
+            let xh = host(x.clone());
+            let body = host(dspark_kernels::reference::swiglu_cols(
+                dspark_kernels::reference::linear_fp8(x.clone(), &gate.m),
+                dspark_kernels::reference::linear_fp8(x, &up.m),
+                0,
+                0,
+                inter,
+            ));
+            let ends =
+                |v: &[f32], width: usize| -> Vec<f32> { [&v[..width], &v[(rows - 1) * width..]].concat() };
+            let xe = ends(&xh, inp);
+            let (gs, us) = (gate.reference(&xe, 2, &ends_cols), up.reference(&xe, 2, &ends_cols));
+            let want: Vec<f64> = gs.iter().zip(&us).map(|(&g, &u)| g / (1.0 + (-g).exp()) * u).collect();
+            check_close(&what, &ends(&got, inter), &ends(&body, inter), &want);
+        }
+    }
+}

@@ -216,3 +216,37 @@ fn a_random_draft_drawn_in_fp8_is_all_fp8_and_lossless() {
         assert_eq!(o.tokens, r.tokens, "prompt {i}");
     }
 }
+
+#[test]
+fn paired_fp8_gate_up_computes_what_the_stacked_one_does() {
+    // `dspark_kernels::set_fp8_swiglu` (process-wide, like the FP8 switch: set under its lock)
+    // pairs FP8 gate/up weights with per-row scales for the SwiGLU epilogue; on the CPU the
+    // paired product runs its body. The same weights: block outputs apart by f32 rounding only,
+    // and greedy speculative output still equals target-only output. Block scales stay stacked.
+    let t = target();
+    let plain =
+        Engine::new(target(), &EngineConfig::default()).unwrap().generate(&greedy_requests(24)).unwrap();
+    for layout in [Layout::PerChannel, Layout::Blocks] {
+        let (dir, _, _) = fp8_checkpoint(layout);
+        let _on = fp8_matrices(true);
+        let mut stacked = load(dir.path(), &t).unwrap();
+        dspark_kernels::set_fp8_swiglu(true);
+        let paired = load(dir.path(), &t);
+        dspark_kernels::set_fp8_swiglu(false);
+        let mut paired = paired.unwrap();
+        assert_eq!(paired.fp8_on_device(), 15, "{layout:?}: every projection still FP8");
+        let layers = if layout == Layout::PerChannel { 2 } else { 0 };
+        assert_eq!(paired.fp8_swiglu_layers(), layers, "{layout:?}: paired gate/up weights");
+        assert_eq!(stacked.fp8_swiglu_layers(), 0);
+        assert_eq!(paired.fp8_weights(), stacked.fp8_weights());
+        let (ph, pl) = block_outputs(&mut paired, &t);
+        let (sh, sl) = block_outputs(&mut stacked, &t);
+        let (eh, el) = (rel_max(&ph, &sh), rel_max(&pl, &sl));
+        eprintln!("{layout:?}: paired vs stacked gate/up: hidden {eh:.2e}, base logits {el:.2e}");
+        assert!(eh < 1e-5 && el < 1e-5, "{layout:?}: hidden {eh:.2e}, logits {el:.2e}");
+        let mut e = Engine::with_draft(target(), Box::new(paired), &EngineConfig::default()).unwrap();
+        for (i, (o, r)) in e.generate(&greedy_requests(24)).unwrap().iter().zip(&plain).enumerate() {
+            assert_eq!(o.tokens, r.tokens, "{layout:?}: prompt {i}");
+        }
+    }
+}

@@ -20,7 +20,8 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// Set the kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated: `pad-tiles` /
 /// `no-pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` / `no-int-views` for
 /// `dspark_kernels::set_int_views`, `norm-threads-N` for `dspark_kernels::set_norm_threads`,
-/// `confidence-kernel` for `dspark_kernels::set_confidence_kernel`),
+/// `confidence-kernel` for `dspark_kernels::set_confidence_kernel`, `fp8-swiglu` for
+/// `dspark_kernels::set_fp8_swiglu`),
 /// so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced (`benches/gpu_tiles.sh check`). Unset: the
 /// library's defaults (both on). An unknown name fails the test rather than being ignored.
@@ -33,6 +34,7 @@ fn staged_switches() {
             "int-views" => dspark_kernels::set_int_views(true),
             "no-int-views" => dspark_kernels::set_int_views(false),
             "confidence-kernel" => dspark_kernels::set_confidence_kernel(true),
+            "fp8-swiglu" => dspark_kernels::set_fp8_swiglu(true),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),

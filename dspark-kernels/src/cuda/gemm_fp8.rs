@@ -81,6 +81,7 @@ fn fp8_gemm_kernel(
     #[comptime] blocked: bool,
     #[comptime] splits: usize,
     #[comptime] mtiles: usize,
+    #[comptime] swiglu: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -216,29 +217,69 @@ fn fp8_gemm_kernel(
     let threads = warps * 32;
     let id = warp * 32 + lane;
     let total = mtiles * tiles * tile_len;
-    let passes = total.div_ceil(threads);
-    #[unroll]
-    for p in 0..passes {
-        let e = p * threads + id;
-        if e < total {
-            let mut sum = 0.0f32;
-            #[unroll]
-            for v in 0..warps {
-                sum += partial[v * total + e];
+    if comptime![swiglu] {
+        // 4'. A paired gate/up weight with per-row scales (see `launch_swiglu`): weight rows
+        //     0..8 of each block are gate rows 8·block.., rows 8..16 the matching up rows. Each
+        //     thread sums one gate and its up in warp order, scales and rounds both to bf16 (the
+        //     product's own output) and writes `silu(g)·u` with the roundings of the SwiGLU
+        //     kernel to column 8·block + wr of a `[rows, out / 2]` output, as the bf16 kernel's
+        //     epilogue does.
+        let half = out / 2;
+        let pairs = mtiles * tiles * 64;
+        #[unroll]
+        for p in 0..pairs.div_ceil(threads) {
+            let e = p * threads + id;
+            if e < pairs {
+                let q = e / 64;
+                let j = q % tiles;
+                let wblock = block * mtiles + q / tiles;
+                let xr = (e % 64) / 8;
+                let wr = e % 8;
+                let at = q * tile_len + xr * 16 + wr;
+                let mut gs = 0.0f32;
+                let mut us = 0.0f32;
+                #[unroll]
+                for v in 0..warps {
+                    gs += partial[v * total + at];
+                    us += partial[v * total + at + 8];
+                }
+                gs *= scales[wblock * 16 + wr];
+                us *= scales[wblock * 16 + wr + 8];
+                let row = j * 8 + xr;
+                if row < rows {
+                    let gv = f32::cast_from(bf16::cast_from(gs));
+                    let uv = f32::cast_from(bf16::cast_from(us));
+                    let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
+                    let sg = f32::cast_from(bf16::cast_from(gv * sig));
+                    y[row * half + wblock * 8 + wr] = bf16::cast_from(sg * uv);
+                }
             }
-            let q = e / tile_len;
-            let j = q % tiles;
-            let within = e % tile_len;
-            let row = j * 8 + within / 16;
-            let col = (block * mtiles + q / tiles) * 16 + within % 16;
-            if !comptime![blocked] {
-                sum *= scales[col];
-            }
-            if row < rows {
-                if comptime![splits > 1] {
-                    parts[(split * rows + row) * out + col] = sum;
-                } else {
-                    y[row * out + col] = bf16::cast_from(sum);
+        }
+    } else {
+        let passes = total.div_ceil(threads);
+        #[unroll]
+        for p in 0..passes {
+            let e = p * threads + id;
+            if e < total {
+                let mut sum = 0.0f32;
+                #[unroll]
+                for v in 0..warps {
+                    sum += partial[v * total + e];
+                }
+                let q = e / tile_len;
+                let j = q % tiles;
+                let within = e % tile_len;
+                let row = j * 8 + within / 16;
+                let col = (block * mtiles + q / tiles) * 16 + within % 16;
+                if !comptime![blocked] {
+                    sum *= scales[col];
+                }
+                if row < rows {
+                    if comptime![splits > 1] {
+                        parts[(split * rows + row) * out + col] = sum;
+                    } else {
+                        y[row * out + col] = bf16::cast_from(sum);
+                    }
                 }
             }
         }
@@ -349,6 +390,7 @@ pub(crate) fn launch_product(
                 blocked,
                 plan.splits,
                 mt,
+                false,
             );
         }
         if let Some(p) = &parts
@@ -364,12 +406,94 @@ pub(crate) fn launch_product(
     }
 }
 
+/// Whether [`launch_swiglu`] takes this problem: [`takes`], per-row scales, and a plan that
+/// does not cut the reduction (the epilogue sums whole rows).
+pub(crate) fn takes_swiglu(x: &Tensor<2>, w: &Fp8Matrix) -> bool {
+    takes(x, w) && w.grid == ScaleGrid::PerRow && swiglu_plan_fits(w.inp, w.out)
+}
+
+/// Whether an `[out, in]` paired FP8 weight's plan leaves the reduction whole.
+pub(crate) fn swiglu_plan_fits(inp: usize, out: usize) -> bool {
+    plan(Weights::Fp8, inp / 64, out).splits == 1
+}
+
+/// `silu(g)·u` of a paired gate/up FP8 weight with per-row scales in one pass: `x` `[rows, in]`,
+/// `words` `[out, in / 4]` whose 16-row block `b` holds gate rows `8b..8b+8` then up rows
+/// `8b..8b+8` (`scales` paired the same way) → `[rows, out / 2]`. The values are those of the
+/// product (scaled, rounded to bf16) followed by the SwiGLU kernel.
+fn launch_swiglu(x: CubeTensor, words: CubeTensor, scales: CubeTensor) -> CubeTensor {
+    let contiguous = burn_cubecl::kernel::into_contiguous;
+    let (x, words, scales) = (contiguous(x), contiguous(words), contiguous(scales));
+    let [rows, inp] = [x.meta.shape()[0], x.meta.shape()[1]];
+    let out = words.meta.shape()[0];
+    let plan = plan(Weights::Fp8, inp / 64, out);
+    assert!(
+        Fp8Matrix::shape_supported(out, inp)
+            && words.meta.shape()[1] * 4 == inp
+            && scales.meta.shape()[0] == out
+            && plan.splits == 1,
+        "fp8_gemm_swiglu: unsupported shape [{rows}, {inp}] x [{out}, {inp}]"
+    );
+    let client = x.client.clone();
+    let half = out / 2;
+    let y = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+        client.clone(),
+        x.device.clone(),
+        [rows, half].into(),
+        x.dtype,
+    );
+    let x_words = inp / 8;
+    let warps = plan.warps(inp / 64);
+    let mut start = 0;
+    while start < rows {
+        let n = (rows - start).min(MAX_ROWS);
+        let tiles = n.div_ceil(8);
+        let mt = plan.mtiles_fp8(tiles, out, inp / 64);
+        let x_handle = x.handle.clone().offset_start((start * inp * 2) as u64);
+        let y_handle = y.handle.clone().offset_start((start * half * 2) as u64);
+        // SAFETY: as in `launch_product` with per-row scales (`out` of them) and no splits
+        // (`parts` is never touched: y's buffer stands in); the epilogue writes y rows `< n` of
+        // `half` columns, column `8·block + wr < half`.
+        unsafe {
+            fp8_gemm_kernel::launch_unchecked(
+                &client,
+                CubeCount::Static((out / 16 / mt) as u32, 1, 1),
+                CubeDim::new_2d(32, warps as u32),
+                BufferArg::from_raw_parts(x_handle, n * x_words),
+                BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
+                BufferArg::from_raw_parts(scales.handle.clone(), out),
+                BufferArg::from_raw_parts(y_handle.clone(), n * half),
+                BufferArg::from_raw_parts(y_handle, n * half / 2),
+                n as u32,
+                x_words as u32,
+                out as u32,
+                1u32,
+                2f32.powi(120),
+                tiles,
+                warps,
+                plan.unroll_with(tiles, mt, inp / 64, warps),
+                false,
+                1,
+                mt,
+                true,
+            );
+        }
+        start += n;
+    }
+    y
+}
+
 /// `[rows, out]` for `x` `[rows, in]` and `words` `[out, in / 4]`.
 fn output_shape(x: &burn::tensor::Shape, words: &burn::tensor::Shape) -> burn::tensor::Shape {
     [x[0], words[0]].into()
 }
 
-/// The backend extension: one operation, run by CubeCL on CUDA and deferred through fusion.
+/// `[rows, out / 2]` for `x` `[rows, in]` and paired `words` `[out, in / 4]`.
+fn swiglu_shape(x: &burn::tensor::Shape, words: &burn::tensor::Shape) -> burn::tensor::Shape {
+    [x[0], words[0] / 2].into()
+}
+
+/// The backend extension: run by CubeCL on CUDA and deferred through fusion.
 #[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
 pub trait Fp8GemmOps: burn::backend::Backend {
     /// `x · Wᵀ` for FP8 `words` with `scales` (per 128×128 block when `blocked`, else per row).
@@ -380,12 +504,35 @@ pub trait Fp8GemmOps: burn::backend::Backend {
         scales: burn::backend::tensor::FloatTensor<Self>,
         blocked: bool,
     ) -> burn::backend::tensor::FloatTensor<Self>;
+
+    /// `silu(g)·u` for a paired gate/up FP8 weight with per-row `scales` (see
+    /// [`launch_swiglu`]).
+    #[fusion(dtype = x, shape = swiglu_shape(x, words))]
+    fn fp8_gemm_swiglu(
+        x: burn::backend::tensor::FloatTensor<Self>,
+        words: burn::backend::tensor::IntTensor<Self>,
+        scales: burn::backend::tensor::FloatTensor<Self>,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
 }
 
 impl Fp8GemmOps for CubeBackend {
     fn fp8_gemm(x: CubeTensor, words: CubeTensor, scales: CubeTensor, blocked: bool) -> CubeTensor {
         launch(x, words, scales, blocked)
     }
+
+    fn fp8_gemm_swiglu(x: CubeTensor, words: CubeTensor, scales: CubeTensor) -> CubeTensor {
+        launch_swiglu(x, words, scales)
+    }
+}
+
+/// See [`crate::fp8::linear_fp8_swiglu`]; the caller checked [`takes_swiglu`].
+pub(crate) fn linear_swiglu(x: Tensor<2>, w: &Fp8Matrix) -> Tensor<2> {
+    let y = <Dispatch as Fp8GemmOps>::fp8_gemm_swiglu(
+        x.into_dispatch(),
+        w.words.clone().into_dispatch(),
+        w.scales.clone().into_dispatch(),
+    );
+    Tensor::from_dispatch(y)
 }
 
 /// The comptime arguments of one [`fp8_gemm_kernel`] launch.
@@ -397,11 +544,13 @@ pub(crate) struct Fp8Variant {
     blocked: bool,
     splits: usize,
     mtiles: usize,
+    swiglu: bool,
 }
 
-/// The variant [`launch_product`] launches for `8·tiles` rows or fewer (one launch) of an
-/// `[out, in]` e4m3 weight with block (`blocked`) or per-row scales.
-pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool) -> Fp8Variant {
+/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`], per-row scales only)
+/// launches for `8·tiles` rows or fewer (one launch) of an `[out, in]` e4m3 weight with block
+/// (`blocked`) or per-row scales.
+pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool, swiglu: bool) -> Fp8Variant {
     let plan = plan(Weights::Fp8, inp / 64, out);
     let warps = plan.warps(inp / 64);
     let mtiles = plan.mtiles_fp8(tiles, out, inp / 64);
@@ -409,24 +558,26 @@ pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool) -
         tiles,
         warps,
         unroll: plan.unroll_with(tiles, mtiles, inp / 64, warps),
-        blocked,
-        splits: plan.splits,
+        blocked: blocked && !swiglu,
+        splits: if swiglu { 1 } else { plan.splits },
         mtiles,
+        swiglu,
     }
 }
 
 /// `v` expanded and transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_fp8_gemm(v: Fp8Variant) -> Result<super::offline::KernelSource, String> {
     use super::offline::{offline_kernel, transpile};
-    let Fp8Variant { tiles, warps, unroll, blocked, splits, mtiles } = v;
+    let Fp8Variant { tiles, warps, unroll, blocked, splits, mtiles, swiglu } = v;
     let label = format!(
-        "fp8_gemm: tiles={tiles} warps={warps} unroll={unroll} blocked={blocked} splits={splits} mtiles={mtiles}"
+        "fp8_gemm: tiles={tiles} warps={warps} unroll={unroll} blocked={blocked} splits={splits} mtiles={mtiles} \
+         swiglu={swiglu}"
     );
     let kernel = offline_kernel!(
         fp8_gemm_kernel::Fp8GemmKernel,
         CubeDim::new_2d(32, warps as u32);
         b b b b b s s s s s;
-        tiles, warps, unroll, blocked, splits, mtiles
+        tiles, warps, unroll, blocked, splits, mtiles, swiglu
     );
     transpile(&label, kernel)
 }

@@ -290,7 +290,15 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
             if m.draft.is_some() && crate::fp8::Fp8Matrix::shape_supported(out, inp) {
                 for tiles in 1..=8 {
                     for blocked in [false, true] {
-                        all.insert(Variant::Fp8Gemm(super::gemm_fp8::fp8_variant(tiles, inp, out, blocked)));
+                        all.insert(Variant::Fp8Gemm(super::gemm_fp8::fp8_variant(
+                            tiles, inp, out, blocked, false,
+                        )));
+                    }
+                    // As `linear_fp8_swiglu` decides: a paired gate/up weight with per-row scales.
+                    if out == 2 * m.intermediate && super::gemm_fp8::swiglu_plan_fits(inp, out) {
+                        all.insert(Variant::Fp8Gemm(super::gemm_fp8::fp8_variant(
+                            tiles, inp, out, false, true,
+                        )));
                     }
                 }
                 if out == m.hidden {

@@ -605,6 +605,13 @@ impl DSparkDraft {
         self.layers.iter().map(DecoderLayer::fp8_projections).sum::<usize>() + usize::from(self.fc.is_fp8())
     }
 
+    /// How many layers hold their FP8 gate/up weights paired for the SwiGLU epilogue
+    /// ([`dspark_kernels::linear_fp8_swiglu`], staged behind `dspark_kernels::set_fp8_swiglu`).
+    #[doc(hidden)]
+    pub fn fp8_swiglu_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.fp8_swiglu()).count()
+    }
+
     /// Quantise the draft's projections (each layer's q/k/v/o and gate/up/down, and `fc`) and
     /// its Markov head's `W2` to e4m3 as [`DSparkDraft::load_quantized`] does, in place: for a
     /// draft built some other way (e.g. [`DSparkDraft::random`] for benchmarks). Projections

@@ -55,16 +55,18 @@ enum AttnIn {
     Fused(Proj),
 }
 
-/// The gate/up projections: two weights, one `[gate; up]` weight (FP8, see [`AttnIn`]), or
-/// (dense bf16 where the kernels run) one weight with their rows paired by
-/// [`dspark_kernels::pair_gate_up`], whose product ends in the SwiGLU
-/// ([`dspark_kernels::linear_swiglu`]).
+/// The gate/up projections: two weights, one `[gate; up]` weight (FP8 with block scales, see
+/// [`AttnIn`]), or (where the kernels run: dense bf16, or FP8 with per-row scales) one weight
+/// with their rows paired by [`dspark_kernels::pair_gate_up`] or [`Fp8Matrix::pair_gate_up`],
+/// whose product ends in the SwiGLU ([`dspark_kernels::linear_swiglu`],
+/// [`dspark_kernels::linear_fp8_swiglu`]).
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone)]
 enum MlpIn {
     Split { gate: Proj, up: Proj },
     Fused(Proj),
     Paired(Tensor<2>),
+    PairedFp8(Fp8Matrix),
 }
 
 /// Whether projections that read the same input are stored as one weight: where the GPU
@@ -149,6 +151,13 @@ impl MlpIn {
                 dspark_kernels::pair_gate_up(g, u)
             }));
         }
+        // (FP8 matrices exist where the FP8 kernel runs, or on the CPU's reference path.)
+        if let (Weight::Fp8(g), Weight::Fp8(u)) = (&gate, &up)
+            && dspark_kernels::fp8_swiglu()
+            && let Some(paired) = Fp8Matrix::pair_gate_up(g, u)
+        {
+            return Self::PairedFp8(paired);
+        }
         let parts = [gate, up];
         if let Some(w) = fused(&parts) {
             return Self::Fused(w);
@@ -162,6 +171,7 @@ impl MlpIn {
             Self::Split { gate, up } => gate.bytes() + up.bytes(),
             Self::Fused(w) => w.bytes(),
             Self::Paired(w) => w.shape().num_elements() * w.dtype().size(),
+            Self::PairedFp8(m) => m.bytes(),
         }
     }
 
@@ -169,7 +179,9 @@ impl MlpIn {
         Ok(match self {
             Self::Split { gate, up } => Self::Split { gate: gate.quantized()?, up: up.quantized()? },
             Self::Fused(w) => Self::Fused(w.quantized()?),
-            // Back to separate gate and up rows, quantised each, then stacked as FP8 weights are.
+            Self::PairedFp8(m) => Self::PairedFp8(m.clone()),
+            // Back to separate gate and up rows, quantised each, then paired or stacked as FP8
+            // weights are.
             Self::Paired(w) => {
                 let [rows, inp] = w.dims();
                 let inter = rows / 2;
@@ -637,6 +649,11 @@ impl DecoderLayer {
         })
     }
 
+    /// Whether the FP8 gate/up weights are paired for the SwiGLU epilogue.
+    pub(crate) fn fp8_swiglu(&self) -> bool {
+        matches!(self.mlp_in, MlpIn::PairedFp8(_))
+    }
+
     /// How many of this layer's weights are FP8 matrices (a fused weight counts once per part).
     pub(crate) fn fp8_projections(&self) -> usize {
         let attn = match &self.attn_in {
@@ -647,6 +664,7 @@ impl DecoderLayer {
             MlpIn::Split { gate, up } => [gate, up].iter().filter(|p| p.is_fp8()).count(),
             MlpIn::Fused(w) => 2 * usize::from(w.is_fp8()),
             MlpIn::Paired(_) => 0,
+            MlpIn::PairedFp8(_) => 2,
         };
         attn + mlp + usize::from(self.o_proj.is_fp8()) + usize::from(self.down_proj.is_fp8())
     }
@@ -801,6 +819,7 @@ impl DecoderLayer {
             }
             MlpIn::Split { gate, up } => swiglu_cols(gate.apply(h.clone()), up.apply(h), 0, 0, intermediate),
             MlpIn::Paired(w) => dspark_kernels::linear_swiglu(h, w),
+            MlpIn::PairedFp8(m) => dspark_kernels::linear_fp8_swiglu(h, m),
         };
         self.down_proj.apply_add_norm(x, act, next_norm, eps)
     }

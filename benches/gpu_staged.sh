@@ -1,35 +1,40 @@
 #!/usr/bin/env bash
-# Device calls for a staged draft-round change (issue 8), off by default until these checks
-# pass: the confidence head on the device (`dspark_kernels::confidence_logits`,
-# `set_confidence_kernel`): a round reads back γ confidence logits a lane instead of its γ hidden
-# rows, and the host makes no dot products after the read.
+# Device calls for two staged draft-round changes (issue 8), both off by default until these
+# checks pass:
+# - the confidence head on the device (`dspark_kernels::confidence_logits`,
+#   `set_confidence_kernel`): a round reads back γ confidence logits a lane instead of its γ
+#   hidden rows, and the host makes no dot products after the read;
+# - the FP8 gate/up SwiGLU epilogue (`linear_fp8_swiglu`, `set_fp8_swiglu`): an FP8 draft
+#   layer's gate/up product and SwiGLU in one launch.
 # Expects prebuilt binaries, xz-compressed, in out/carry (see benches/gpu_round.sh for the
 # build): gpu_kernels and gpu_golden for `check` and `check8b`, bench-draft for `bench`.
 #   check: gpu_kernels `confidence_logits_match_reference` (the kernel against its body and
-#          f64: DSpark widths, 1–4 lanes of γ 7 and 16, with and without the Markov term);
-#          gpu_golden with the switch on: the trained pair's greedy speculative = target-only
-#          (bf16 and FP8 drafts: τ must equal the unswitched runs'), the FP8 draft's sampled
-#          distribution (χ²), the device acceptance.
-#   check8b: gpu_golden at Qwen3-8B shapes with the switch on: recorded draft rounds = op by op
-#          (confidences bit for bit; the host head's within 1e-5, the same drafts), the FP8 draft
-#          lossless on 4 lanes.
-#   bench: bench-draft γ = 7c, FP8 + FP8 head, the head on the device against the host, 30
-#          repetitions, one process for the whole vocabulary and one for 16 384 ids; then the
-#          host spans of one proposal each way (`propose_finish` is the host's work after the
-#          read).
-# Usage: benches/gpu_confidence.sh check|check8b|bench
+#          f64: DSpark widths, 1–4 lanes of γ 7 and 16, with and without the Markov term) and
+#          `linear_fp8_swiglu_matches_reference` (bit for bit against the product + the SwiGLU
+#          kernel, and against f64); gpu_golden with both switches on: the trained pair's greedy
+#          speculative = target-only (bf16 and FP8 drafts: τ must equal the unswitched runs'),
+#          the FP8 draft's sampled distribution (χ²), the device acceptance.
+#   check8b: gpu_golden at Qwen3-8B shapes with both switches on: recorded draft rounds = op by
+#          op (confidences bit for bit; the host head's within 1e-5, the same drafts), the FP8
+#          draft lossless on 4 lanes.
+#   bench: bench-draft γ = 7c, FP8 + FP8 head, the head on the device against the host and the
+#          FP8 epilogue off against on, 30 repetitions, one process for the whole vocabulary and
+#          one for 16 384 ids; then the host spans of one proposal each way (`propose_finish` is
+#          the host's work after the read).
+# Usage: benches/gpu_staged.sh check|check8b|bench
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
 . "$(dirname "$0")/gpu_env.sh"
-export DSPARK_GPU_SWITCHES=confidence-kernel
+export DSPARK_GPU_SWITCHES=confidence-kernel,fp8-swiglu
 
 case "$PHASE" in
 check)
     timeout 150 out/bin/gpu_kernels --test-threads=1 --nocapture confidence_logits_match_reference \
-        > "$OUT/gpu_kernels-staged.log" 2>&1
+        linear_fp8_swiglu_matches_reference > "$OUT/gpu_kernels-staged.log" 2>&1
     echo "gpu_kernels exit $?"
-    grep -E "^test |test result|panicked" "$OUT/gpu_kernels-staged.log" | cut -c1-200
+    grep -E "^test |test result|panicked|linear_fp8_swiglu 4096->12288 rows (1|8):" "$OUT/gpu_kernels-staged.log" \
+        | cut -c1-200
     timeout 400 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair fp8_draft_sampled device_acceptance \
         > "$OUT/gpu_golden-staged.log" 2>&1
     echo "gpu_golden exit $?"
@@ -46,7 +51,7 @@ bench)
     unset DSPARK_GPU_SWITCHES
     for vocab in 0 16384; do
         timeout 200 out/bin/bench-draft --layouts 7c --weights fp8h --draft-vocab "$vocab" \
-            --confidence device,host --reps 30 --context 512 \
+            --confidence device,host --fp8-swiglu off,on --reps 30 --context 512 \
             > "$OUT/bench_draft-staged-vocab$vocab.md" 2> "$OUT/bench_draft-staged-vocab$vocab.log"
         echo "bench-draft vocab $vocab exit $?"
         grep "| cuda" "$OUT/bench_draft-staged-vocab$vocab.md" | cut -d'|' -f4,6,8,9,10,13,22-
