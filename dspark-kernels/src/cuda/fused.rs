@@ -297,10 +297,18 @@ fn swiglu_kernel(
     if j < width {
         let gv = f32::cast_from(g[row * g_stride as usize + g_off as usize + j]);
         let uv = f32::cast_from(u[row * u_stride as usize + u_off as usize + j]);
-        let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
-        let s = f32::cast_from(bf16::cast_from(gv * sig));
-        out[row * width + j] = bf16::cast_from(s * uv);
+        out[row * width + j] = swiglu_value(gv, uv);
     }
+}
+
+/// `silu(g)·u` of one gate and one up value (bf16 values widened to f32) with the reference's
+/// roundings: `σ(g)`, `g·σ(g)` and the product each rounded to bf16. The SwiGLU kernel and the
+/// SwiGLU epilogues of the bf16 and FP8 products share it, so all three give the same bits.
+#[cube]
+pub(crate) fn swiglu_value(gv: f32, uv: f32) -> bf16 {
+    let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
+    let s = f32::cast_from(bf16::cast_from(gv * sig));
+    bf16::cast_from(s * uv)
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::fused::swiglu_value;
 use super::offline::{KernelSource, offline_kernel, transpile};
 
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
@@ -198,9 +199,7 @@ fn skinny_gemm_kernel(
                 if row < rows {
                     let gv = f32::cast_from(bf16::cast_from(gs));
                     let uv = f32::cast_from(bf16::cast_from(us));
-                    let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
-                    let sg = f32::cast_from(bf16::cast_from(gv * sig));
-                    y[row * half + col + wr] = bf16::cast_from(sg * uv);
+                    y[row * half + col + wr] = swiglu_value(gv, uv);
                 }
             }
         }

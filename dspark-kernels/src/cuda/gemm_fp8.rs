@@ -37,6 +37,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
+use super::fused::swiglu_value;
 use super::gemm::{MAX_ROWS, Product, Weights, combine_splits, load_weight_blocks, plan, split_scratch};
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
@@ -249,9 +250,7 @@ fn fp8_gemm_kernel(
                 if row < rows {
                     let gv = f32::cast_from(bf16::cast_from(gs));
                     let uv = f32::cast_from(bf16::cast_from(us));
-                    let sig = f32::cast_from(bf16::cast_from(1.0f32 / (1.0f32 + (-gv).exp())));
-                    let sg = f32::cast_from(bf16::cast_from(gv * sig));
-                    y[row * half + wblock * 8 + wr] = bf16::cast_from(sg * uv);
+                    y[row * half + wblock * 8 + wr] = swiglu_value(gv, uv);
                 }
             }
         }
