@@ -1707,23 +1707,22 @@ fn confidence_logits_match_reference() {
             let an = anchors.clone().into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
             for markov in [true, false] {
                 let tab = markov.then_some(&table);
-                poison(rows * 2, &device);
-                let got = host1(dspark_kernels::confidence_logits(
-                    hidden.clone(),
-                    tab,
-                    anchors.clone(),
-                    tokens.clone(),
-                    &weight,
-                    0.25,
-                ));
-                let body = host1(dspark_kernels::reference::confidence_logits(
-                    hidden.clone(),
-                    tab,
-                    anchors.clone(),
-                    tokens.clone(),
-                    &weight,
-                    0.25,
-                ));
+                type Logits = fn(
+                    Tensor<2>,
+                    Option<&Tensor<2>>,
+                    Tensor<1, burn::tensor::Int>,
+                    Tensor<1, burn::tensor::Int>,
+                    &Tensor<1>,
+                    f32,
+                ) -> Tensor<1>;
+                let run = |f: Logits| {
+                    poison(rows * 2, &device);
+                    host1(f(hidden.clone(), tab, anchors.clone(), tokens.clone(), &weight, 0.25))
+                };
+                let (got, body) = (
+                    run(dspark_kernels::confidence_logits),
+                    run(dspark_kernels::reference::confidence_logits),
+                );
                 // Float64 on the host, and Σ|w·x| for the bound of an f32 sum of hd + rank terms.
                 let (mut want, mut scale) = (Vec::new(), Vec::new());
                 for r in 0..rows {
