@@ -176,33 +176,7 @@ fn skinny_gemm_kernel(
         //     its up in warp order, rounds both to bf16 (the product's own output) and writes
         //     `silu(g)·u` with the roundings of the SwiGLU kernel to column 8·block + wr of a
         //     `[rows, out / 2]` output.
-        let half = out / 2;
-        let pairs = mtiles * tiles * 64;
-        #[unroll]
-        for p in 0..pairs.div_ceil(threads) {
-            let e = p * threads + id;
-            if e < pairs {
-                let q = e / 64;
-                let j = q % tiles;
-                let col = (block * mtiles + q / tiles) * 8;
-                let xr = (e % 64) / 8;
-                let wr = e % 8;
-                let at = q * tile_len + xr * 16 + wr;
-                let mut gs = 0.0f32;
-                let mut us = 0.0f32;
-                #[unroll]
-                for v in 0..warps {
-                    gs += partial[v * total + at];
-                    us += partial[v * total + at + 8];
-                }
-                let row = j * 8 + xr;
-                if row < rows {
-                    let gv = f32::cast_from(bf16::cast_from(gs));
-                    let uv = f32::cast_from(bf16::cast_from(us));
-                    y[row * half + col + wr] = swiglu_value(gv, uv);
-                }
-            }
-        }
+        swiglu_epilogue(&partial, &*parts, y, rows, out, block, id, tiles, mtiles, warps, false);
     } else {
         let passes = total.div_ceil(threads);
         #[unroll]
@@ -226,6 +200,67 @@ fn skinny_gemm_kernel(
                         y[row * out + col] = bf16::cast_from(sum);
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Step 4' of the paired gate/up products, bf16 ([`skinny_gemm_kernel`]) and FP8
+/// (`fp8_gemm_kernel`): thread `id` takes the pairs `e = id, id + threads, …` of the cube's
+/// `mtiles · tiles · 64` (weight block `q / tiles` of the cube and activation tile `q % tiles`
+/// for `q = e / 64`, activation row `(e % 64) / 8` of the tile, gate row `e % 8` of the block),
+/// sums the warps' partial sums of that gate row and of its up row 8 rows below in warp order,
+/// multiplies each by its row's scale when `scaled` (FP8 with per-row scales), rounds both to
+/// bf16 (the product's own output) and writes their [`swiglu_value`] to column
+/// `8 · block + gate row` of a `[rows, out / 2]` output. `partial` is laid out as step 3 of
+/// both kernels leaves it; `scales` is read only when `scaled`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn swiglu_epilogue(
+    partial: &Shared<[f32]>,
+    scales: &[f32],
+    y: &mut [bf16],
+    rows: usize,
+    out: usize,
+    block: usize,
+    id: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mtiles: usize,
+    #[comptime] warps: usize,
+    #[comptime] scaled: bool,
+) {
+    let threads = warps * 32;
+    let tile_len = 128usize;
+    let total = mtiles * tiles * tile_len;
+    let half = out / 2;
+    let pairs = mtiles * tiles * 64;
+    #[unroll]
+    for p in 0..pairs.div_ceil(threads) {
+        let e = p * threads + id;
+        if e < pairs {
+            let q = e / 64;
+            let j = q % tiles;
+            let wblock = block * mtiles + q / tiles;
+            let col = wblock * 8;
+            let xr = (e % 64) / 8;
+            let wr = e % 8;
+            let at = q * tile_len + xr * 16 + wr;
+            let mut gs = 0.0f32;
+            let mut us = 0.0f32;
+            #[unroll]
+            for v in 0..warps {
+                gs += partial[v * total + at];
+                us += partial[v * total + at + 8];
+            }
+            if comptime![scaled] {
+                gs *= scales[wblock * 16 + wr];
+                us *= scales[wblock * 16 + wr + 8];
+            }
+            let row = j * 8 + xr;
+            if row < rows {
+                let gv = f32::cast_from(bf16::cast_from(gs));
+                let uv = f32::cast_from(bf16::cast_from(us));
+                y[row * half + col + wr] = swiglu_value(gv, uv);
             }
         }
     }

@@ -37,8 +37,9 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fused::swiglu_value;
-use super::gemm::{MAX_ROWS, Product, Weights, combine_splits, load_weight_blocks, plan, split_scratch};
+use super::gemm::{
+    MAX_ROWS, Product, Weights, combine_splits, load_weight_blocks, plan, split_scratch, swiglu_epilogue,
+};
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
 /// 16 bytes as four 32-bit registers.
@@ -225,35 +226,7 @@ fn fp8_gemm_kernel(
         //     product's own output) and writes `silu(g)·u` with the roundings of the SwiGLU
         //     kernel to column 8·block + wr of a `[rows, out / 2]` output, as the bf16 kernel's
         //     epilogue does.
-        let half = out / 2;
-        let pairs = mtiles * tiles * 64;
-        #[unroll]
-        for p in 0..pairs.div_ceil(threads) {
-            let e = p * threads + id;
-            if e < pairs {
-                let q = e / 64;
-                let j = q % tiles;
-                let wblock = block * mtiles + q / tiles;
-                let xr = (e % 64) / 8;
-                let wr = e % 8;
-                let at = q * tile_len + xr * 16 + wr;
-                let mut gs = 0.0f32;
-                let mut us = 0.0f32;
-                #[unroll]
-                for v in 0..warps {
-                    gs += partial[v * total + at];
-                    us += partial[v * total + at + 8];
-                }
-                gs *= scales[wblock * 16 + wr];
-                us *= scales[wblock * 16 + wr + 8];
-                let row = j * 8 + xr;
-                if row < rows {
-                    let gv = f32::cast_from(bf16::cast_from(gs));
-                    let uv = f32::cast_from(bf16::cast_from(us));
-                    y[row * half + wblock * 8 + wr] = swiglu_value(gv, uv);
-                }
-            }
-        }
+        swiglu_epilogue(&partial, scales, y, rows, out, block, id, tiles, mtiles, warps, true);
     } else {
         let passes = total.div_ceil(threads);
         #[unroll]
