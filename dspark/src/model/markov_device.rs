@@ -175,17 +175,21 @@ impl DeviceMarkov {
                     .map(|m| upload(&pick(&m.w1, m.rank), [d.len(), m.rank], dtype.dtype())),
             }
         });
-        // The confidence head reads `W1[x_{k−1}]` from the Markov steps' table, when there is
-        // one and the head's weights cover it (the loader checks they do).
-        let confidence = confidence.map(|(c, hidden)| {
+        // The confidence head reads `W1[x_{k−1}]` from the Markov steps' table when it reads the
+        // Markov embedding at all (as the host head does when the draft has a Markov head). A head
+        // whose weights do not cover the embedding (the loader refuses those) stays on the host.
+        let confidence = confidence.and_then(|(c, hidden)| {
             let rank = w.as_ref().map_or(0, |(w1, _)| w1.dims()[1]);
-            let with_markov = c.with_markov && rank > 0 && c.weight.len() >= hidden + rank;
+            let with_markov = c.with_markov && rank > 0;
+            if c.weight.len() < hidden + if with_markov { rank } else { 0 } {
+                return None;
+            }
             let n = c.weight.len();
             let options = burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::F32);
             let weight = crate::device::persistent(device, TensorData::new(c.weight.clone(), [n]), |data| {
                 Tensor::<1>::from_data(data, options.clone())
             });
-            DeviceConfidence { weight, bias: c.bias, with_markov }
+            Some(DeviceConfidence { weight, bias: c.bias, with_markov })
         });
         Ok(Some(Self { w, vocab, confidence, device: device.clone() }))
     }
