@@ -14,6 +14,7 @@
 #          kernel, and against f64); gpu_golden with both switches on: the trained pair's greedy
 #          speculative = target-only (bf16 and FP8 drafts: τ must equal the unswitched runs'),
 #          the FP8 draft's sampled distribution (χ²), the device acceptance.
+#   base: the trained pair's FP8-draft test with both switches off, for the τ `check` repeats.
 #   check8b: gpu_golden at Qwen3-8B shapes with both switches on: recorded draft rounds = op by
 #          op (confidences bit for bit; the host head's within 1e-5, the same drafts), the FP8
 #          draft lossless on 4 lanes.
@@ -21,7 +22,7 @@
 #          FP8 epilogue off against on, 30 repetitions, one process for the whole vocabulary and
 #          one for 16 384 ids; then the host spans of one proposal each way (`propose_finish` is
 #          the host's work after the read).
-# Usage: benches/gpu_staged.sh check|check8b|bench
+# Usage: benches/gpu_staged.sh check|base|check8b|bench
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -30,15 +31,23 @@ export DSPARK_GPU_SWITCHES=confidence-kernel,fp8-swiglu
 
 case "$PHASE" in
 check)
-    timeout 150 out/bin/gpu_kernels --test-threads=1 --nocapture confidence_logits_match_reference \
+    timeout 120 out/bin/gpu_kernels --test-threads=1 --nocapture confidence_logits_match_reference \
         linear_fp8_swiglu_matches_reference > "$OUT/gpu_kernels-staged.log" 2>&1
     echo "gpu_kernels exit $?"
     grep -E "^test |test result|panicked|linear_fp8_swiglu 4096->12288 rows (1|8):" "$OUT/gpu_kernels-staged.log" \
         | cut -c1-200
-    timeout 400 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair fp8_draft_sampled device_acceptance \
+    timeout 420 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair fp8_draft_sampled device_acceptance \
         > "$OUT/gpu_golden-staged.log" 2>&1
     echo "gpu_golden exit $?"
     grep -E "^test |test result|panicked|kernel switch|tau|chi2|differ" "$OUT/gpu_golden-staged.log" | cut -c1-200
+    ;;
+base)
+    # The trained pair's FP8 draft with both switches off: its τ is what `check` must repeat
+    # exactly (both changes give the same bits).
+    DSPARK_GPU_SWITCHES= timeout 300 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair_fp8 \
+        > "$OUT/gpu_golden-unstaged.log" 2>&1
+    echo "gpu_golden (switches off) exit $?"
+    grep -E "test result|panicked|tau" "$OUT/gpu_golden-unstaged.log" | cut -c1-200
     ;;
 check8b)
     timeout 500 out/bin/gpu_golden --test-threads=1 --nocapture qwen3_8b_shapes_recorded qwen3_8b_shapes_fp8 \
