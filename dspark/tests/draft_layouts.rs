@@ -146,6 +146,13 @@ fn gated_and_rnn_heads_and_a_confidence_head_without_markov_input() {
     add_tensors(dir.path(), &[("confidence_head.proj.weight", vec![1, 64], 0.2)]);
     edit_config(dir.path(), |c| c["confidence_head_with_markov"] = false.into());
     let tau_conf = assert_lossless(load(dir.path(), &t).unwrap(), VerifyPolicy::Threshold(0.5));
+    // The same head on the device pass (the CPU body of its kernel, without the Markov term):
+    // its confidences differ from the host's by f32 rounding, so the threshold keeps the same
+    // drafts in every round and τ is the same.
+    let mut on_device = load(dir.path(), &t).unwrap();
+    assert!(on_device.set_device_markov(true) && on_device.set_device_confidence(true));
+    let tau_conf_device = assert_lossless(on_device, VerifyPolicy::Threshold(0.5));
+    assert_eq!(tau_conf_device, tau_conf, "the device head kept other drafts");
     eprintln!("tau: gated {tau_gated:.2}, rnn {tau_rnn:.2}, confidence without markov {tau_conf:.2}");
 }
 
