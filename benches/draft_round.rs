@@ -134,6 +134,12 @@ struct Args {
     /// default) or as copies (`off`), for an A/B (`dspark_kernels::set_int_views`).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
+    /// Walk a sampled draw's segments and the chosen thread's values in parallel (`on`) or on
+    /// one thread (`off`, the library's default while staged), for an A/B
+    /// (`dspark_kernels::set_parallel_draws`: the same draws); the column then reads
+    /// `(parallel draws)`. Only the sampled columns take it.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    parallel_draws: String,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
     #[arg(long)]
@@ -289,6 +295,9 @@ fn switches(args: &Args) -> String {
     if args.int_views == "off" {
         label += " (int copies)";
     }
+    if args.parallel_draws == "on" {
+        label += " (parallel draws)";
+    }
     label
 }
 
@@ -300,6 +309,7 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_norm_threads(args.norm_threads.parse().unwrap_or(1024));
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
+    dspark_kernels::set_parallel_draws(args.parallel_draws == "on");
     if args.emulate_graphs {
         dspark_kernels::set_graph_emulation(true);
         dspark_kernels::set_paged_reference(true);

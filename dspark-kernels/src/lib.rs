@@ -26,6 +26,7 @@ static TILE_PADDING: AtomicBool = AtomicBool::new(true);
 static INT_VIEWS: AtomicBool = AtomicBool::new(true);
 static CONFIDENCE_KERNEL: AtomicBool = AtomicBool::new(false);
 static FP8_SWIGLU: AtomicBool = AtomicBool::new(false);
+static PARALLEL_DRAWS: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -101,6 +102,23 @@ pub fn set_fp8_swiglu(enabled: bool) {
 #[doc(hidden)]
 pub fn fp8_swiglu() -> bool {
     FP8_SWIGLU.load(Ordering::Relaxed)
+}
+
+/// Let [`sample_rows`] on CUDA make a sampling row's segment weights in parallel (one thread
+/// per segment) and walk the chosen thread's values on that thread, instead of thread 0 making
+/// every `exp` of the walk one after the other (about 2·segments + 16 dependent f64
+/// exponentials a row: 92 over a 151 936-wide vocabulary). The same products, sums and order,
+/// so the same draws. Staged: off by default until its GPU checks (`benches/gpu_staged.sh
+/// check`) have run. Process-wide.
+#[doc(hidden)]
+pub fn set_parallel_draws(enabled: bool) {
+    PARALLEL_DRAWS.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`sample_rows`] walks in parallel (see [`set_parallel_draws`]).
+#[doc(hidden)]
+pub fn parallel_draws() -> bool {
+    PARALLEL_DRAWS.load(Ordering::Relaxed)
 }
 
 /// Whether [`int_view`] shares buffers (see [`set_int_views`]).

@@ -1250,6 +1250,81 @@ fn sample_rows_matches_reference() {
 }
 
 #[test]
+fn sample_rows_parallel_walk_matches_serial() {
+    // `set_parallel_draws`: the segment weights made by one thread each and the last walk on
+    // the chosen thread, against thread 0 doing every step. The same draws, bit for bit, on
+    // vocabulary rows, a draft vocabulary, ragged widths and a row of 258 segments (two chunks
+    // of the parallel walk); and each a valid inverse-CDF draw.
+    let device = cuda();
+    let mut state = 0x0D15_EA5E_u64;
+    let mut next = || {
+        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let temps = [0.0f32, 0.6, 1.0, 1.7];
+    let mut sampled = 0usize;
+    for &(rows, width) in &[(8usize, 151_936usize), (7, 16_384), (5, 8193), (33, 1000), (2, 258 * 4096 - 7)] {
+        let mut h = host(random(rows, width, 2.5, &device).cast(DType::F32));
+        if rows > 4 {
+            // A NaN, an all −∞ row, a row with one finite value, as in the test above.
+            h[width + 1] = f32::NAN;
+            h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            h[3 * width..4 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            h[4 * width - 2] = 0.5;
+        }
+        let mut words = Vec::with_capacity(3 * rows);
+        let mut params = Vec::with_capacity(rows);
+        for r in 0..rows {
+            let t = temps[(r + 1) % temps.len()];
+            let u = match r % 5 {
+                3 => 0.0,
+                4 => 1.0 - 1.0 / (1u64 << 53) as f64,
+                _ => next(),
+            };
+            words.extend(dspark_kernels::reference::draw_words(t, u));
+            params.push((t, u));
+        }
+        let x = Tensor::<2>::from_data(burn::tensor::TensorData::new(h.clone(), [rows, width]), &device);
+        let draws = Tensor::<1, burn::tensor::Int>::from_data(
+            burn::tensor::TensorData::new(words.clone(), [3 * rows]),
+            &device,
+        );
+        let run = |parallel: bool| {
+            dspark_kernels::set_parallel_draws(parallel);
+            poison(rows * 8, &device);
+            let ids = dspark_kernels::sample_rows(x.clone(), draws.clone())
+                .into_data()
+                .convert::<i64>()
+                .try_to_vec::<i64>()
+                .unwrap();
+            dspark_kernels::set_parallel_draws(false);
+            ids
+        };
+        let (serial, parallel) = (run(false), run(true));
+        assert_eq!(parallel, serial, "rows {rows} x {width}: parallel walk vs serial");
+        for r in 0..rows {
+            let (t, u) = params[r];
+            let token = parallel[r] as usize;
+            assert!(token < width, "row {r}: token {token} of {width}");
+            if t == 0.0 || (rows > 4 && (1..=3).contains(&r)) {
+                continue;
+            }
+            sampled += 1;
+            let (lo, hi) = cdf_around(&h[r * width..(r + 1) * width], t, token);
+            assert!(
+                lo <= u + 1e-12 && u < hi + 1e-12,
+                "rows {rows} x {width}, row {r} (T {t}, u {u}): token {token} covers [{lo}, {hi})"
+            );
+        }
+    }
+    println!("sample_rows parallel walk: {sampled} sampled rows, the serial walk's draws");
+    assert!(sampled > 20, "too few sampled rows checked: {sampled}");
+}
+
+#[test]
 fn sample_rows_follow_the_softmax() {
     // 20 000 draws from one 1000-wide row at T = 0.8: the frequencies against float64 softmax.
     let device = cuda();

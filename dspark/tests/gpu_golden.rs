@@ -35,6 +35,7 @@ fn staged_switches() {
             "no-int-views" => dspark_kernels::set_int_views(false),
             "confidence-kernel" => dspark_kernels::set_confidence_kernel(true),
             "fp8-swiglu" => dspark_kernels::set_fp8_swiglu(true),
+            "parallel-draws" => dspark_kernels::set_parallel_draws(true),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),

@@ -172,6 +172,121 @@ fn draw_partial_kernel(
     }
 }
 
+/// The weight `sum_s · exp((m_s − M) / T)` of segment `s` of row `row` (0 for a segment with no
+/// candidate).
+#[cube]
+fn segment_weight(
+    part_v: &[f32],
+    part_i: &[u32],
+    part_s: &[f64],
+    row: usize,
+    segs: usize,
+    s: usize,
+    mf: f64,
+    tf: f64,
+) -> f64 {
+    let mut w = 0.0f64;
+    if part_i[row * segs + s] != NONE {
+        w = part_s[row * segs + s] * ((f64::cast_from(part_v[row * segs + s]) - mf) / tf).exp();
+    }
+    w
+}
+
+/// Step 2 of [`draw_merge_kernel`] with every thread of the cube (call it from all of them):
+/// the segments' weights made in parallel, `THREADS` segments at a time, and added and walked
+/// in segment order by thread 0, so the total, the running sums and the pick are the serial
+/// walk's bits. Returns, on thread 0, the chosen segment, the goal left inside it in its local
+/// weights, and whether the row draws (`false` for a greedy row or a total that is not
+/// positive).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn walk_segments(
+    part_v: &[f32],
+    part_i: &[u32],
+    part_s: &[f64],
+    row: usize,
+    segs: usize,
+    draws_here: bool,
+    mf: f64,
+    tf: f64,
+    u: f64,
+) -> (u32, f64, bool) {
+    let tid = UNIT_POS as usize;
+    let mut weights = Shared::<[f64]>::new_slice(THREADS);
+    let chunks = segs.div_ceil(THREADS);
+    // Pass 1: the total.
+    let mut total = 0.0f64;
+    for c in 0..chunks {
+        let s = c * THREADS + tid;
+        let mut w = 0.0f64;
+        if draws_here && s < segs {
+            w = segment_weight(part_v, part_i, part_s, row, segs, s, mf, tf);
+        }
+        weights[tid] = w;
+        sync_cube();
+        if tid == 0 {
+            let mut n = segs - c * THREADS;
+            if n > THREADS {
+                n = THREADS;
+            }
+            for j in 0..n {
+                total += weights[j];
+            }
+        }
+        sync_cube();
+    }
+    // Pass 2: the walk (false for a NaN total too).
+    let drew = draws_here && total > 0.0f64;
+    let goal = u * total;
+    let mut running = 0.0f64;
+    let mut found = false;
+    let mut pick = 0u32;
+    let mut base = 0.0f64;
+    let mut last = 0u32;
+    for c in 0..chunks {
+        let s = c * THREADS + tid;
+        let mut w = 0.0f64;
+        if draws_here && s < segs {
+            w = segment_weight(part_v, part_i, part_s, row, segs, s, mf, tf);
+        }
+        weights[tid] = w;
+        sync_cube();
+        if tid == 0 && drew {
+            let mut n = segs - c * THREADS;
+            if n > THREADS {
+                n = THREADS;
+            }
+            for j in 0..n {
+                let w = weights[j];
+                let before = running;
+                running += w;
+                if w > 0.0f64 {
+                    last = (c * THREADS + j) as u32;
+                }
+                if !found && running > goal && w > 0.0f64 {
+                    found = true;
+                    pick = (c * THREADS + j) as u32;
+                    base = before;
+                }
+            }
+        }
+        sync_cube();
+    }
+    let mut local = 0.0f64;
+    if drew {
+        local = f64::new(f32::INFINITY);
+        if found {
+            let scale = ((f64::cast_from(part_v[row * segs + pick as usize]) - mf) / tf).exp();
+            local = (goal - base) / scale;
+        } else {
+            pick = last;
+        }
+    } else {
+        pick = 0u32;
+    }
+    (pick, local, drew)
+}
+
 /// Second launch: one cube per row. The argmax from the segments' candidates; for a sampling
 /// row, the draw (see the module doc).
 #[cube(launch_unchecked)]
@@ -185,6 +300,7 @@ fn draw_merge_kernel(
     out: &mut [i32],
     width: u32,
     segs: u32,
+    #[comptime] parallel: bool,
 ) {
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
@@ -229,8 +345,20 @@ fn draw_merge_kernel(
     let mf = f64::cast_from(m);
     let tf = f64::cast_from(t);
 
-    // 2. The segment: thread 0 walks the segments' weights in order.
-    if tid == 0 {
+    // 2. The segment, from the segments' weights in order.
+    if comptime![parallel] {
+        let (pick, local, drew) =
+            walk_segments(part_v, part_i, part_s, row, segs, draws_here, mf, tf, coin(draws, row));
+        if tid == 0 {
+            chosen[0] = pick;
+            chosen[1] = 0u32;
+            if drew {
+                chosen[1] = 1u32;
+            }
+            target[0] = local;
+        }
+    } else if tid == 0 {
+        // Thread 0 makes every weight and walks them (the serial variant).
         // Defaults for a row that does not draw (read by every thread below).
         chosen[0] = 0u32;
         chosen[1] = 0u32;
@@ -291,13 +419,21 @@ fn draw_merge_kernel(
     }
 
     // 3. Inside the segment: each thread's 16 consecutive values, then warps, then threads.
+    // The parallel variant keeps each thread's weights for its own walk at the end.
+    let mut mine = Array::<f64>::new(PER_THREAD);
     let mut c = 0.0f64;
+    #[unroll]
+    for j in 0..PER_THREAD {
+        mine[j] = 0.0f64;
+    }
     if sampling {
         #[unroll]
         for j in 0..PER_THREAD {
             let i = start + tid * PER_THREAD + j;
             if i < width {
-                c += ((f64::cast_from(x[row * width + i]) - seg_max) / tf).exp();
+                let weight = ((f64::cast_from(x[row * width + i]) - seg_max) / tf).exp();
+                c += weight;
+                mine[j] = weight;
             }
         }
     }
@@ -311,7 +447,51 @@ fn draw_merge_kernel(
         per_warp[tid / 32] = w;
     }
     sync_cube();
-    if tid == 0 {
+    if comptime![parallel] {
+        // Thread 0 walks warps and threads; the chosen thread walks its own weights.
+        let mut owner = Shared::<[u32]>::new_slice(1usize);
+        let mut goal_in = Shared::<[f64]>::new_slice(1usize);
+        if tid == 0 {
+            owner[0] = NONE;
+            if sampling {
+                let (wpick, in_warp) = walk_slots(&per_warp, 0, THREADS / 32, target[0]);
+                let (tpick, in_thread) = walk_slots(&per_thread, wpick * 32, 32, in_warp);
+                owner[0] = tpick as u32;
+                goal_in[0] = in_thread;
+            } else {
+                let mut result = 0i32;
+                if best != NONE {
+                    result = best as i32;
+                }
+                out[row] = result;
+            }
+        }
+        sync_cube();
+        if sampling && tid as u32 == owner[0] {
+            let goal = goal_in[0];
+            let first = start + tid * PER_THREAD;
+            let mut running = 0.0f64;
+            let mut found = false;
+            let mut index = first;
+            let mut ilast = first;
+            #[unroll]
+            for j in 0..PER_THREAD {
+                let weight = mine[j];
+                running += weight;
+                if weight > 0.0f64 {
+                    ilast = first + j;
+                }
+                if !found && running > goal && weight > 0.0f64 {
+                    found = true;
+                    index = first + j;
+                }
+            }
+            if !found {
+                index = ilast;
+            }
+            out[row] = index as i32;
+        }
+    } else if tid == 0 {
         let mut result = 0i32;
         if best != NONE {
             result = best as i32;
@@ -401,6 +581,7 @@ fn launch(x: CubeTensor, draws: CubeTensor) -> CubeTensor {
             BufferArg::from_raw_parts(all.handle.clone(), rows),
             width as u32,
             segs as u32,
+            crate::parallel_draws(),
         );
     }
     CubeTensor::new_contiguous(client, x.device.clone(), [rows].into(), all.handle, DType::I32)
@@ -438,7 +619,7 @@ pub(crate) fn sample_rows(x: Tensor<2>, draws: Tensor<1, Int>) -> Tensor<1, Int>
     Tensor::from_dispatch(<Dispatch as SampleOps>::sample_rows(x.into_dispatch(), draws.into_dispatch()))
 }
 
-/// The sampling kernels (no comptime arguments), transpiled without a device (see
+/// The sampling kernels (the merge with and without [`crate::set_parallel_draws`]), transpiled without a device (see
 /// [`super::offline`]).
 pub(crate) fn offline_fixed() -> Vec<Result<super::offline::KernelSource, String>> {
     use super::offline::{offline_kernel, transpile};
@@ -457,6 +638,16 @@ pub(crate) fn offline_fixed() -> Vec<Result<super::offline::KernelSource, String
                 draw_merge_kernel::DrawMergeKernel,
                 CubeDim::new_1d(THREADS as u32);
                 b b b b b b s s;
+                false
+            ),
+        ),
+        transpile(
+            "sample draw_merge parallel",
+            offline_kernel!(
+                draw_merge_kernel::DrawMergeKernel,
+                CubeDim::new_1d(THREADS as u32);
+                b b b b b b s s;
+                true
             ),
         ),
     ]
