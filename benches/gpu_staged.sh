@@ -8,7 +8,7 @@
 #   layer's gate/up product and SwiGLU in one launch;
 # - the parallel draw walk (`set_parallel_draws`): a sampled Markov step's draw makes its segment
 #   weights one thread each and walks the chosen thread's values on that thread, instead of
-#   thread 0 making some 2·segments + 16 dependent f64 exponentials alone; the same draws.
+#   thread 0 making some 2·segments + 17 f64 exponentials alone; the same draws.
 # Expects prebuilt binaries, xz-compressed, in out/carry (see benches/gpu_round.sh for the
 # build): gpu_kernels and gpu_golden for `check` and `check8b`, bench-draft for `bench`.
 #   check: gpu_kernels `confidence_logits_match_reference` (the kernel against its body and

@@ -106,9 +106,8 @@ pub fn fp8_swiglu() -> bool {
 
 /// Let [`sample_rows`] on CUDA make a sampling row's segment weights in parallel (one thread
 /// per segment) and walk the chosen thread's values on that thread, instead of thread 0 making
-/// every `exp` of the walk one after the other (about 2·segments + 16 dependent f64
-/// exponentials a row: 92 over a 151 936-wide vocabulary). The same products, sums and order,
-/// so the same draws. Staged: off by default until its GPU checks (`benches/gpu_staged.sh
+/// every `exp` of the walk (about 2·segments + 17 f64 exponentials a row: 93 over a
+/// 151 936-wide vocabulary). The same products, sums and order, so the same draws. Staged: off by default until its GPU checks (`benches/gpu_staged.sh
 /// check`) have run. Process-wide.
 #[doc(hidden)]
 pub fn set_parallel_draws(enabled: bool) {
