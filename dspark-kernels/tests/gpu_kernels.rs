@@ -1137,6 +1137,15 @@ fn linear_swiglu_matches_reference() {
     }
 }
 
+/// Rows 1–3 of `h` (rows of `width`) made special: row 1 holds a NaN (drawn as the argmax),
+/// row 2 is all −∞ (0), row 3 has a single finite value (always drawn).
+fn plant_special_rows(h: &mut [f32], width: usize) {
+    h[width + 1] = f32::NAN;
+    h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    h[3 * width..4 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    h[4 * width - 2] = 0.5;
+}
+
 /// `(CDF just before i, CDF through i)` of `softmax(x / t)` in float64, the sums in index order.
 fn cdf_around(x: &[f32], t: f32, i: usize) -> (f64, f64) {
     let max = x.iter().copied().filter(|v| !v.is_nan()).fold(f32::NEG_INFINITY, f32::max);
@@ -1149,26 +1158,14 @@ fn cdf_around(x: &[f32], t: f32, i: usize) -> (f64, f64) {
 #[test]
 fn sample_rows_matches_reference() {
     let device = cuda();
-    let mut state = 0x5EED_u64;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniforms(0x5EED);
     let temps = [0.0f32, 0.6, 1.0, 1.7];
     let (mut sampled, mut mismatches) = (0usize, 0usize);
     for &(rows, width) in &[(8usize, 151_936usize), (33, 1000), (5, 8193), (64, 4096), (200, 64)] {
         let x = random(rows, width, 2.5, &device).cast(DType::F32);
         let mut h = host(x.clone());
         if rows > 4 {
-            // Row 1 holds a NaN (drawn as the argmax), row 2 is all −∞ (0), row 3 has a single
-            // finite value (always drawn).
-            h[width + 1] = f32::NAN;
-            h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-            h[3 * width..4 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-            h[4 * width - 2] = 0.5;
+            plant_special_rows(&mut h, width);
         }
         let mut words = Vec::with_capacity(3 * rows);
         let mut params = Vec::with_capacity(rows);
@@ -1256,24 +1253,13 @@ fn sample_rows_parallel_walk_matches_serial() {
     // vocabulary rows, a draft vocabulary, ragged widths and a row of 258 segments (two chunks
     // of the parallel walk); and each a valid inverse-CDF draw.
     let device = cuda();
-    let mut state = 0x0D15_EA5E_u64;
-    let mut next = || {
-        state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
-    };
+    let mut next = uniforms(0x0D15_EA5E);
     let temps = [0.0f32, 0.6, 1.0, 1.7];
     let mut sampled = 0usize;
     for &(rows, width) in &[(8usize, 151_936usize), (7, 16_384), (5, 8193), (33, 1000), (2, 258 * 4096 - 7)] {
         let mut h = host(random(rows, width, 2.5, &device).cast(DType::F32));
         if rows > 4 {
-            // A NaN, an all −∞ row, a row with one finite value, as in the test above.
-            h[width + 1] = f32::NAN;
-            h[2 * width..3 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-            h[3 * width..4 * width].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-            h[4 * width - 2] = 0.5;
+            plant_special_rows(&mut h, width);
         }
         let mut words = Vec::with_capacity(3 * rows);
         let mut params = Vec::with_capacity(rows);

@@ -172,24 +172,41 @@ fn draw_partial_kernel(
     }
 }
 
-/// The weight `sum_s · exp((m_s − M) / T)` of segment `s` of row `row` (0 for a segment with no
-/// candidate).
+/// Thread `tid`'s segment of chunk `c` of a parallel walk, `c·THREADS + tid`, with its weight
+/// `sum_s · exp((m_s − M) / T)` (0 past the row's segments, for a segment with no candidate and
+/// for a row that does not draw) stored at `weights[tid]`; then the cube syncs. Returns how many
+/// of the chunk's slots hold segments.
 #[cube]
-fn segment_weight(
+#[allow(clippy::too_many_arguments)]
+fn chunk_weights(
     part_v: &[f32],
     part_i: &[u32],
     part_s: &[f64],
+    weights: &mut Shared<[f64]>,
     row: usize,
     segs: usize,
-    s: usize,
+    c: usize,
+    draws_here: bool,
     mf: f64,
     tf: f64,
-) -> f64 {
+) -> usize {
+    let tid = UNIT_POS as usize;
+    let s = c * THREADS + tid;
     let mut w = 0.0f64;
-    if part_i[row * segs + s] != NONE {
-        w = part_s[row * segs + s] * ((f64::cast_from(part_v[row * segs + s]) - mf) / tf).exp();
+    // Nested: a cube function's `&&` evaluates both sides, and `part_i` ends at `segs`.
+    #[allow(clippy::collapsible_if)]
+    if draws_here && s < segs {
+        if part_i[row * segs + s] != NONE {
+            w = part_s[row * segs + s] * ((f64::cast_from(part_v[row * segs + s]) - mf) / tf).exp();
+        }
     }
-    w
+    weights[tid] = w;
+    sync_cube();
+    let mut n = segs - c * THREADS;
+    if n > THREADS {
+        n = THREADS;
+    }
+    n
 }
 
 /// Step 2 of [`draw_merge_kernel`] with every thread of the cube (call it from all of them):
@@ -217,18 +234,8 @@ fn walk_segments(
     // Pass 1: the total.
     let mut total = 0.0f64;
     for c in 0..chunks {
-        let s = c * THREADS + tid;
-        let mut w = 0.0f64;
-        if draws_here && s < segs {
-            w = segment_weight(part_v, part_i, part_s, row, segs, s, mf, tf);
-        }
-        weights[tid] = w;
-        sync_cube();
+        let n = chunk_weights(part_v, part_i, part_s, &mut weights, row, segs, c, draws_here, mf, tf);
         if tid == 0 {
-            let mut n = segs - c * THREADS;
-            if n > THREADS {
-                n = THREADS;
-            }
             for j in 0..n {
                 total += weights[j];
             }
@@ -244,18 +251,8 @@ fn walk_segments(
     let mut base = 0.0f64;
     let mut last = 0u32;
     for c in 0..chunks {
-        let s = c * THREADS + tid;
-        let mut w = 0.0f64;
-        if draws_here && s < segs {
-            w = segment_weight(part_v, part_i, part_s, row, segs, s, mf, tf);
-        }
-        weights[tid] = w;
-        sync_cube();
+        let n = chunk_weights(part_v, part_i, part_s, &mut weights, row, segs, c, draws_here, mf, tf);
         if tid == 0 && drew {
-            let mut n = segs - c * THREADS;
-            if n > THREADS {
-                n = THREADS;
-            }
             for j in 0..n {
                 let w = weights[j];
                 let before = running;
