@@ -134,17 +134,21 @@ struct Args {
     /// default) or as copies (`off`), for an A/B (`dspark_kernels::set_int_views`).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
-    /// Walk a sampled draw's segments and the chosen thread's values in parallel (`on`) or on
-    /// one thread (`off`, the library's default while staged), for an A/B
-    /// (`dspark_kernels::set_parallel_draws`: the same draws); the column then reads
-    /// `(parallel draws)`. Only the sampled columns take it.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
-    parallel_draws: String,
+    /// How a sampled draw walks its segments, each a table row per layout and weights: in
+    /// parallel (`on`: segment weights one thread each, the chosen thread's values walked on
+    /// that thread) or on one thread (`off`, the library's default while staged), for an A/B
+    /// (`dspark_kernels::set_parallel_draws`: the same draws); the weights column then reads
+    /// e.g. `fp8h, parallel draws`. Only the sampled columns take it.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["on", "off"])]
+    parallel_draws: Vec<String>,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
     #[arg(long)]
     emulate_graphs: bool,
 }
+
+/// What a bench draft is built from: layout, weights, draft vocabulary, FP8 SwiGLU epilogue.
+type DraftKey = (String, String, usize, String);
 
 /// After a phase is timed: once more inside the profiling window when `--profile` names
 /// `phase`; `--reps` times more with the library's spans timed when `--spans` is on.
@@ -295,9 +299,6 @@ fn switches(args: &Args) -> String {
     if args.int_views == "off" {
         label += " (int copies)";
     }
-    if args.parallel_draws == "on" {
-        label += " (parallel draws)";
-    }
     label
 }
 
@@ -309,7 +310,6 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_norm_threads(args.norm_threads.parse().unwrap_or(1024));
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
-    dspark_kernels::set_parallel_draws(args.parallel_draws == "on");
     if args.emulate_graphs {
         dspark_kernels::set_graph_emulation(true);
         dspark_kernels::set_paged_reference(true);
@@ -380,15 +380,24 @@ fn main() -> dspark::Result<()> {
         for l in &args.layouts {
             for w in &args.weights {
                 for v in &args.draft_vocab {
-                    for c in &args.confidence {
-                        combos.extend(
-                            args.fp8_swiglu.iter().map(|e| (l.clone(), w.clone(), *v, c.clone(), e.clone())),
-                        );
+                    // Confidence placement and draw walk innermost: they switch on a built draft.
+                    for e in &args.fp8_swiglu {
+                        for c in &args.confidence {
+                            combos.extend(
+                                args.parallel_draws
+                                    .iter()
+                                    .map(|d| (l.clone(), w.clone(), *v, e.clone(), c.clone(), d.clone())),
+                            );
+                        }
                     }
                 }
             }
         }
-        for (spec, weights, draft_vocab, head_on, epilogue) in combos {
+        // The draft of the last row, reused while only the confidence placement or the draw walk
+        // changes (an 8B-shaped FP8 draft takes some 20 s to draw and quantise on the host).
+        let mut built: Option<(DraftKey, DSparkDraft, String)> = None;
+        for (spec, weights, draft_vocab, epilogue, head_on, draws) in combos {
+            let key = (spec.clone(), weights.clone(), draft_vocab, epilogue.clone());
             let (spec, weights) = (&spec, &weights);
             let confidence = spec.ends_with('c');
             if head_on == "host" && !confidence {
@@ -412,44 +421,59 @@ fn main() -> dspark::Result<()> {
             let verify = time(&device, args.warmup, args.reps, || step(&target, &mut cache, seq, &window))?;
             profiled(&args, &device, spans, "verify", || step(&target, &mut cache, seq, &window))?;
             memory_at(&format!("verify windows of {}", gamma + 1), &meter, &device);
-            let cache_config = DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
-            let t = Instant::now();
-            let mut draft = if weights == "bf16" {
-                DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?
-            } else {
-                // Drawn and quantised on the host: no bf16 copy on the device (as an FP8 checkpoint).
-                let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
-                DSparkDraft::random_quantized(
-                    draft_config,
-                    TargetBinding::of(&target),
-                    &cache_config,
-                    fp8,
-                    1,
-                )?
-            };
-            if weights != "bf16" {
-                if weights == "fp8h" {
-                    draft.quantize_lm_head()?;
+            let (key, mut draft, base_label) = match built.take() {
+                Some(last) if last.0 == key => last,
+                last => {
+                    // The last draft's memory goes back before the next one is built.
+                    drop(last);
+                    let cache_config =
+                        DraftCacheConfig { kv_budget_bytes: 64 << 20, ..DraftCacheConfig::default() };
+                    let t = Instant::now();
+                    let mut draft = if weights == "bf16" {
+                        DSparkDraft::random(draft_config, TargetBinding::of(&target), &cache_config)?
+                    } else {
+                        // Drawn and quantised on the host: no bf16 copy on the device (as an FP8 checkpoint).
+                        let fp8 = dspark::model::fp8::DraftQuant::Fp8PerChannel;
+                        DSparkDraft::random_quantized(
+                            draft_config,
+                            TargetBinding::of(&target),
+                            &cache_config,
+                            fp8,
+                            1,
+                        )?
+                    };
+                    if weights != "bf16" {
+                        if weights == "fp8h" {
+                            draft.quantize_lm_head()?;
+                        }
+                        eprintln!(
+                            "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8, {} layers' \
+                         gate/up paired for the SwiGLU epilogue",
+                            t.elapsed().as_secs_f64(),
+                            draft.fp8_on_device(),
+                            draft.fp8_swiglu_layers()
+                        );
+                    }
+                    let weights = if draft_vocab > 0 {
+                        draft.restrict_vocab(dspark::DraftVocab::leading(draft_vocab, config.vocab_size)?)?;
+                        format!("{weights}, vocab {draft_vocab}")
+                    } else {
+                        weights.clone()
+                    };
+                    let weights =
+                        if epilogue == "on" { format!("{weights}, SwiGLU epilogue") } else { weights };
+                    if args.emulate_graphs {
+                        // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
+                        draft.set_device_markov(true);
+                    }
+                    (key, draft, weights)
                 }
-                eprintln!(
-                    "built the {spec} draft ({weights}) in {:.1} s: {} projections kept as FP8, {} layers' \
-                     gate/up paired for the SwiGLU epilogue",
-                    t.elapsed().as_secs_f64(),
-                    draft.fp8_on_device(),
-                    draft.fp8_swiglu_layers()
-                );
-            }
-            let weights = if draft_vocab > 0 {
-                draft.restrict_vocab(dspark::DraftVocab::leading(draft_vocab, config.vocab_size)?)?;
-                format!("{weights}, vocab {draft_vocab}")
-            } else {
-                weights.clone()
             };
-            let weights = if epilogue == "on" { format!("{weights}, SwiGLU epilogue") } else { weights };
-            if args.emulate_graphs {
-                // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
-                draft.set_device_markov(true);
-            }
+            dspark_kernels::set_parallel_draws(draws == "on");
+            let weights =
+                if draws == "on" { format!("{base_label}, parallel draws") } else { base_label.clone() };
+            // Either call also drops the draft's recorded graphs, so the draw walk just set is
+            // the one its rounds record.
             let weights = if confidence && head_on == "host" {
                 draft.set_device_confidence(false);
                 format!("{weights}, host confidence")
@@ -628,6 +652,7 @@ fn main() -> dspark::Result<()> {
             println!("{row}");
             eprintln!("{row}");
             draft.end(dseq)?;
+            built = Some((key, draft, base_label));
         }
     }
     let _ = meter.finish(0, &device);

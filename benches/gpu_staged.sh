@@ -27,7 +27,11 @@
 #          FP8 epilogue off against on, 30 repetitions, one process for the whole vocabulary and
 #          one for 16 384 ids; then the host spans of one proposal each way (`propose_finish` is
 #          the host's work after the read).
-# Usage: benches/gpu_staged.sh check|base|check8b|bench
+#   quick: what one short call can hold (about two minutes): the three gpu_kernels checks of
+#          `check`, then one bench-draft process, γ = 7c FP8 + FP8 head over 16 384 ids, all
+#          eight combinations of the three switches (two drafts built: the epilogue is chosen
+#          when a draft's layers are; the other two switch on a built draft), 20 repetitions.
+# Usage: benches/gpu_staged.sh check|base|check8b|bench|bench2|quick
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -88,5 +92,18 @@ bench2)
             grep "| cuda" "$OUT/bench_draft-draws-$walk-vocab$vocab.md" | cut -d'|' -f6,7,13,14,15,21
         done
     done
+    ;;
+quick)
+    timeout 75 out/bin/gpu_kernels --test-threads=1 --nocapture confidence_logits_match_reference \
+        linear_fp8_swiglu_matches_reference sample_rows_parallel_walk_matches_serial \
+        > "$OUT/gpu_kernels-staged.log" 2>&1
+    echo "gpu_kernels exit $?"
+    grep -E "^test |test result|panicked|parallel walk" "$OUT/gpu_kernels-staged.log" | cut -c1-160
+    unset DSPARK_GPU_SWITCHES
+    timeout 150 out/bin/bench-draft --layouts 7c --weights fp8h --draft-vocab 16384 --confidence host,device \
+        --fp8-swiglu off,on --parallel-draws off,on --reps 20 --context 512 \
+        > "$OUT/bench_draft-staged-quick.md" 2> "$OUT/bench_draft-staged-quick.log"
+    echo "bench-draft exit $?"
+    grep "| cuda" "$OUT/bench_draft-staged-quick.md" | cut -d'|' -f6,9,13,14,15,20,21,24,27,28
     ;;
 esac

@@ -89,10 +89,11 @@ pub fn confidence_kernel() -> bool {
 }
 
 /// FP8 gate/up weights with per-row scales built from now on (kept as [`Fp8Matrix`]: where the
-/// FP8 kernel runs, or on the reference path of [`fp8::set_fp8_reference`]) are paired ([`Fp8Matrix::pair_gate_up`]) for [`linear_fp8_swiglu`], whose SwiGLU is the
-/// product's epilogue (one launch and no `[rows, 2·inter]` intermediate a draft layer), instead
-/// of stacked for [`linear_fp8`] and [`swiglu_cols`]; the same bits either way. Staged: off by
-/// default until its GPU checks (`benches/gpu_staged.sh check`) have run. Process-wide.
+/// FP8 kernel runs, or on the reference path of [`fp8::set_fp8_reference`]) are paired
+/// ([`Fp8Matrix::pair_gate_up`]) for [`linear_fp8_swiglu`], whose SwiGLU is the product's
+/// epilogue (one launch and no `[rows, 2·inter]` intermediate a draft layer), instead of stacked
+/// for [`linear_fp8`] and [`swiglu_cols`]; the same bits either way. Staged: off by default until
+/// its GPU checks (`benches/gpu_staged.sh check`) have run. Process-wide.
 #[doc(hidden)]
 pub fn set_fp8_swiglu(enabled: bool) {
     FP8_SWIGLU.store(enabled, Ordering::Relaxed);
@@ -107,8 +108,8 @@ pub fn fp8_swiglu() -> bool {
 /// Let [`sample_rows`] on CUDA make a sampling row's segment weights in parallel (one thread
 /// per segment) and walk the chosen thread's values on that thread, instead of thread 0 making
 /// every `exp` of the walk (about 2·segments + 17 f64 exponentials a row: 93 over a
-/// 151 936-wide vocabulary). The same products, sums and order, so the same draws. Staged: off by default until its GPU checks (`benches/gpu_staged.sh
-/// check`) have run. Process-wide.
+/// 151 936-wide vocabulary). The same products, sums and order, so the same draws. Staged: off
+/// by default until its GPU checks (`benches/gpu_staged.sh check`) have run. Process-wide.
 #[doc(hidden)]
 pub fn set_parallel_draws(enabled: bool) {
     PARALLEL_DRAWS.store(enabled, Ordering::Relaxed);
