@@ -486,7 +486,7 @@ fn main() -> dspark::Result<()> {
             let features = |rows: usize| {
                 Tensor::<2>::random([rows, width], Distribution::Normal(0.0, 1.0), opts.clone())
             };
-            memory_at(&format!("building the {spec} {weights} draft"), &meter, &device);
+            memory_at(&format!("setting up the {spec} {weights} draft"), &meter, &device);
             let dseq = draft.begin();
             draft.extend_context(dseq, features(args.context))?;
             memory_at("the first context extension", &meter, &device);
