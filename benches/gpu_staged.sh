@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Device calls for three staged draft-round changes (issues 4 and 8), all off by default until
-# these checks pass:
+# Device calls for three draft-round changes (issues 4 and 8), staged off until these checks
+# passed (H100, 2026-12-06: benches/results/2026-12-06-h100-staged.md) and on by default since;
+# the phases still check and time them against the paths they replaced:
 # - the confidence head on the device (`dspark_kernels::confidence_logits`,
 #   `set_confidence_kernel`): a round reads back γ confidence logits a lane instead of its γ
 #   hidden rows, and the host makes no dot products after the read;
@@ -19,7 +20,8 @@
 #          greedy speculative = target-only (bf16 and FP8 drafts: τ must equal the unswitched
 #          runs'), the FP8 draft's sampled distribution (χ²), the device acceptance, target-only
 #          sampled tokens drawn on the device = the host rule.
-#   base: the trained pair's FP8-draft test with both switches off, for the τ `check` repeats.
+#   base: the trained pair's FP8-draft test with the three switches off, for the τ `check`
+#          repeats.
 #   check8b: gpu_golden at Qwen3-8B shapes with the switches on: recorded draft rounds = op by
 #          op (confidences bit for bit; the host head's within 1e-5, the same drafts), the FP8
 #          draft lossless on 4 lanes.
@@ -31,7 +33,8 @@
 #          `check`, then one bench-draft process, γ = 7c FP8 + FP8 head over 16 384 ids, all
 #          eight combinations of the three switches (two drafts built: the epilogue is chosen
 #          when a draft's layers are; the other two switch on a built draft), 20 repetitions.
-# Usage: benches/gpu_staged.sh check|base|check8b|bench|bench2|quick
+#   golden: the gpu_golden half of `check` alone (after `quick`, which ran its kernel checks).
+# Usage: benches/gpu_staged.sh check|golden|base|check8b|bench|bench2|quick
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -46,6 +49,8 @@ check)
     echo "gpu_kernels exit $?"
     grep -E "^test |test result|panicked|linear_fp8_swiglu 4096->12288 rows (1|8):|parallel walk" "$OUT/gpu_kernels-staged.log" \
         | cut -c1-200
+    ;&
+golden)
     timeout 420 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair fp8_draft_sampled device_acceptance \
         target_only_sampled \
         > "$OUT/gpu_golden-staged.log" 2>&1
@@ -53,9 +58,9 @@ check)
     grep -E "^test |test result|panicked|kernel switch|tau|chi2|differ" "$OUT/gpu_golden-staged.log" | cut -c1-200
     ;;
 base)
-    # The trained pair's FP8 draft with both switches off: its τ is what `check` must repeat
-    # exactly (both changes give the same bits).
-    DSPARK_GPU_SWITCHES= timeout 300 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair_fp8 \
+    # The trained pair's FP8 draft with the three switches off: its τ is what `check` must repeat
+    # exactly (the changes give the same bits).
+    DSPARK_GPU_SWITCHES=no-confidence-kernel,no-fp8-swiglu,serial-draws timeout 300 out/bin/gpu_golden --test-threads=1 --nocapture trained_pair_fp8 \
         > "$OUT/gpu_golden-unstaged.log" 2>&1
     echo "gpu_golden (switches off) exit $?"
     grep -E "test result|panicked|tau" "$OUT/gpu_golden-unstaged.log" | cut -c1-200
