@@ -85,16 +85,17 @@ struct Args {
     /// Where a `c` layout's confidence head runs, each a table row per layout and weights:
     /// `device` (with the device Markov pass: γ logits a lane read back;
     /// `DSparkDraft::set_device_confidence(true)`) or `host` (the block's hidden rows read back,
-    /// f64 dot products on the host, the library's default while the device head is staged; the
-    /// weights column then reads e.g. `fp8h, host confidence`), for an A/B in one call.
+    /// f64 dot products on the host: the path `dspark_kernels::set_confidence_kernel(false)`
+    /// leaves; the weights column then reads e.g. `fp8h, host confidence`), for an A/B in one
+    /// call.
     #[arg(long, value_delimiter = ',', default_value = "device", value_parser = ["device", "host"])]
     confidence: Vec<String>,
-    /// How FP8 drafts hold their gate/up weights, each a table row per layout and weights:
-    /// `off` (stacked, the product then the SwiGLU kernel: the library's default while staged)
-    /// or `on` (paired, the SwiGLU as the product's epilogue: `dspark_kernels::set_fp8_swiglu`;
-    /// the weights column then reads e.g. `fp8h, SwiGLU epilogue`), for an A/B in one call.
+    /// How FP8 drafts hold their gate/up weights, each a table row per layout and weights: `on`
+    /// (paired, the SwiGLU as the product's epilogue: the library's default,
+    /// `dspark_kernels::set_fp8_swiglu`) or `off` (stacked, the product then the SwiGLU kernel;
+    /// the weights column then reads e.g. `fp8h, stacked gate/up`), for an A/B in one call.
     /// bf16 drafts take the epilogue always.
-    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["off", "on"])]
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["off", "on"])]
     fp8_swiglu: Vec<String>,
     /// Launch modes to time, each a table row per layout and weights: `on` (forwards, draft
     /// rounds and context extensions replayed as recorded CUDA graphs) or `off` (op by op).
@@ -135,11 +136,11 @@ struct Args {
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
     /// How a sampled draw walks its segments, each a table row per layout and weights: in
-    /// parallel (`on`: segment weights one thread each, the chosen thread's values walked on
-    /// that thread) or on one thread (`off`, the library's default while staged), for an A/B
-    /// (`dspark_kernels::set_parallel_draws`: the same draws); the weights column then reads
-    /// e.g. `fp8h, parallel draws`. Only the sampled columns take it.
-    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["on", "off"])]
+    /// parallel (`on`, the library's default: segment weights one thread each, the chosen
+    /// thread's values walked on that thread) or on one thread (`off`; the weights column then
+    /// reads e.g. `fp8h, serial draws`), for an A/B (`dspark_kernels::set_parallel_draws`: the
+    /// same draws). Only the sampled columns take it.
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
     parallel_draws: Vec<String>,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
@@ -404,8 +405,8 @@ fn main() -> dspark::Result<()> {
                 // Without a confidence head there is nothing to move: one row is enough.
                 continue;
             }
-            if epilogue == "on" && weights == "bf16" {
-                // bf16 gate/up weights are paired always: nothing to compare.
+            if weights == "bf16" && args.fp8_swiglu.first() != Some(&epilogue) {
+                // bf16 gate/up weights are paired always: one row, whatever the list says.
                 continue;
             }
             // Read when the draft's layers are built, below.
@@ -460,8 +461,11 @@ fn main() -> dspark::Result<()> {
                     } else {
                         weights.clone()
                     };
-                    let weights =
-                        if epilogue == "on" { format!("{weights}, SwiGLU epilogue") } else { weights };
+                    let weights = if epilogue == "off" && key.1 != "bf16" {
+                        format!("{weights}, stacked gate/up")
+                    } else {
+                        weights
+                    };
                     if args.emulate_graphs {
                         // Recorded rounds need the device Markov pass, which the CPU leaves to the host.
                         draft.set_device_markov(true);
@@ -471,7 +475,7 @@ fn main() -> dspark::Result<()> {
             };
             dspark_kernels::set_parallel_draws(draws == "on");
             let weights =
-                if draws == "on" { format!("{base_label}, parallel draws") } else { base_label.clone() };
+                if draws == "off" { format!("{base_label}, serial draws") } else { base_label.clone() };
             // Either call also drops the draft's recorded graphs, so the draw walk just set is
             // the one its rounds record.
             let weights = if confidence && head_on == "host" {

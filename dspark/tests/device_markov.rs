@@ -21,7 +21,7 @@ fn engine(device_markov: bool) -> Engine {
     let t = target();
     let mut d = draft(&t);
     assert_eq!(d.set_device_markov(device_markov), device_markov, "the shipped draft has a vanilla head");
-    // The confidence head with the device pass (staged off by default).
+    // The confidence head with the device pass (the default where the kernels run).
     assert_eq!(d.set_device_confidence(true), device_markov);
     Engine::with_draft(t, Box::new(d), &EngineConfig::default()).unwrap()
 }

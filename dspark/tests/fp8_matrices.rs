@@ -219,9 +219,9 @@ fn a_random_draft_drawn_in_fp8_is_all_fp8_and_lossless() {
 
 #[test]
 fn paired_fp8_gate_up_computes_what_the_stacked_one_does() {
-    // `dspark_kernels::set_fp8_swiglu` (process-wide, like the FP8 switch: set under its lock)
-    // pairs FP8 gate/up weights with per-row scales for the SwiGLU epilogue; on the CPU the
-    // paired product runs its body. The same weights: block outputs apart by f32 rounding only,
+    // `dspark_kernels::set_fp8_swiglu` (process-wide, like the FP8 switch: set under its lock;
+    // on by default) pairs FP8 gate/up weights with per-row scales for the SwiGLU epilogue; on
+    // the CPU the paired product runs its body. The same weights: block outputs apart by f32 rounding only,
     // and greedy speculative output still equals target-only output. Block scales stay stacked.
     let t = target();
     let plain =
@@ -229,11 +229,11 @@ fn paired_fp8_gate_up_computes_what_the_stacked_one_does() {
     for layout in [Layout::PerChannel, Layout::Blocks] {
         let (dir, _, _) = fp8_checkpoint(layout);
         let _on = fp8_matrices(true);
-        let mut stacked = load(dir.path(), &t).unwrap();
-        dspark_kernels::set_fp8_swiglu(true);
-        let paired = load(dir.path(), &t);
         dspark_kernels::set_fp8_swiglu(false);
-        let mut paired = paired.unwrap();
+        let stacked = load(dir.path(), &t);
+        dspark_kernels::set_fp8_swiglu(true);
+        let mut stacked = stacked.unwrap();
+        let mut paired = load(dir.path(), &t).unwrap();
         assert_eq!(paired.fp8_on_device(), 15, "{layout:?}: every projection still FP8");
         let layers = if layout == Layout::PerChannel { 2 } else { 0 };
         assert_eq!(paired.fp8_swiglu_layers(), layers, "{layout:?}: paired gate/up weights");

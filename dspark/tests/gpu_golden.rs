@@ -20,11 +20,12 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// Set the kernel switches `DSPARK_GPU_SWITCHES` names (comma-separated: `pad-tiles` /
 /// `no-pad-tiles` for `dspark_kernels::set_tile_padding`, `int-views` / `no-int-views` for
 /// `dspark_kernels::set_int_views`, `norm-threads-N` for `dspark_kernels::set_norm_threads`,
-/// `confidence-kernel` for `dspark_kernels::set_confidence_kernel`, `fp8-swiglu` for
-/// `dspark_kernels::set_fp8_swiglu`),
-/// so that one build checks a switch either way: before it
-/// becomes the default, or the path it replaced (`benches/gpu_tiles.sh check`). Unset: the
-/// library's defaults (both on). An unknown name fails the test rather than being ignored.
+/// `confidence-kernel` / `no-confidence-kernel` for `dspark_kernels::set_confidence_kernel`,
+/// `fp8-swiglu` / `no-fp8-swiglu` for `dspark_kernels::set_fp8_swiglu`, `parallel-draws` /
+/// `serial-draws` for `dspark_kernels::set_parallel_draws`), so that one build checks a switch
+/// either way: before it becomes the default, or the path it replaced. Unset: the library's
+/// defaults (every switch above on, 1024 norm threads). An unknown name fails the test rather
+/// than being ignored.
 fn staged_switches() {
     let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
     for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -34,8 +35,11 @@ fn staged_switches() {
             "int-views" => dspark_kernels::set_int_views(true),
             "no-int-views" => dspark_kernels::set_int_views(false),
             "confidence-kernel" => dspark_kernels::set_confidence_kernel(true),
+            "no-confidence-kernel" => dspark_kernels::set_confidence_kernel(false),
             "fp8-swiglu" => dspark_kernels::set_fp8_swiglu(true),
+            "no-fp8-swiglu" => dspark_kernels::set_fp8_swiglu(false),
             "parallel-draws" => dspark_kernels::set_parallel_draws(true),
+            "serial-draws" => dspark_kernels::set_parallel_draws(false),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),

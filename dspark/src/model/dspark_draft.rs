@@ -536,8 +536,8 @@ impl DSparkDraft {
 
     /// Evaluate the confidence head on the device with the Markov pass (`true`: a round then
     /// reads back γ logits a lane, and the host makes no dot products) or on the host in f64 from
-    /// the block's hidden rows, read back (`false`; the default until the device head has passed
-    /// its GPU checks, see `dspark_kernels::set_confidence_kernel`). The two differ by f32
+    /// the block's hidden rows, read back (`false`). A new draft takes
+    /// `dspark_kernels::confidence_kernel()`, on unless switched off. The two differ by f32
     /// rounding of the logit only. Returns whether the head now runs on the device (never
     /// without the device Markov pass or a confidence head).
     pub fn set_device_confidence(&mut self, on: bool) -> bool {
@@ -606,7 +606,7 @@ impl DSparkDraft {
     }
 
     /// How many layers hold their FP8 gate/up weights paired for the SwiGLU epilogue
-    /// ([`dspark_kernels::linear_fp8_swiglu`], staged behind `dspark_kernels::set_fp8_swiglu`).
+    /// ([`dspark_kernels::linear_fp8_swiglu`]; `dspark_kernels::set_fp8_swiglu`, on by default).
     #[doc(hidden)]
     pub fn fp8_swiglu_layers(&self) -> usize {
         self.layers.iter().filter(|l| l.fp8_swiglu()).count()
