@@ -1286,7 +1286,8 @@ fn sample_rows_parallel_walk_matches_serial() {
                 .convert::<i64>()
                 .try_to_vec::<i64>()
                 .unwrap();
-            dspark_kernels::set_parallel_draws(false);
+            // Back to the default, for the tests after this one.
+            dspark_kernels::set_parallel_draws(true);
             ids
         };
         let (serial, parallel) = (run(false), run(true));
