@@ -221,8 +221,9 @@ fn a_random_draft_drawn_in_fp8_is_all_fp8_and_lossless() {
 fn paired_fp8_gate_up_computes_what_the_stacked_one_does() {
     // `dspark_kernels::set_fp8_swiglu` (process-wide, like the FP8 switch: set under its lock;
     // on by default) pairs FP8 gate/up weights with per-row scales for the SwiGLU epilogue; on
-    // the CPU the paired product runs its body. The same weights: block outputs apart by f32 rounding only,
-    // and greedy speculative output still equals target-only output. Block scales stay stacked.
+    // the CPU the paired product runs its body. The same weights: block outputs apart by f32
+    // rounding only, and greedy speculative output still equals target-only output. Block
+    // scales stay stacked.
     let t = target();
     let plain =
         Engine::new(target(), &EngineConfig::default()).unwrap().generate(&greedy_requests(24)).unwrap();
