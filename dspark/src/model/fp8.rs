@@ -138,13 +138,11 @@ pub struct QuantizedRows {
 /// # Errors
 /// [`Error::InvalidInput`] when `w` does not hold `rows · cols` values or holds a non-finite one.
 pub fn quantize_per_channel(w: &[f32], rows: usize, cols: usize) -> Result<QuantizedRows> {
+    use rayon::prelude::*;
     if rows.checked_mul(cols) != Some(w.len()) {
         return Err(Error::InvalidInput(format!("{} values are not a [{rows}, {cols}] matrix", w.len())));
     }
-    if let Some(i) = {
-        use rayon::prelude::*;
-        w.par_iter().position_first(|v| !v.is_finite())
-    } {
+    if let Some(i) = w.par_iter().position_first(|v| !v.is_finite()) {
         return Err(Error::InvalidInput(format!(
             "element ({}, {}) is {}: only finite weights can be quantised",
             i / cols.max(1),
@@ -157,7 +155,6 @@ pub fn quantize_per_channel(w: &[f32], rows: usize, cols: usize) -> Result<Quant
     }
     // Rows are independent: quantising a draft at load (1.2 GB for an 8B-sized LM head) runs on
     // every core, each row exactly as alone.
-    use rayon::prelude::*;
     let mut bytes = vec![0u8; w.len()];
     let mut scales = vec![0.0f32; rows];
     bytes.par_chunks_mut(cols).zip(scales.par_iter_mut()).zip(w.par_chunks(cols)).for_each(
