@@ -142,6 +142,13 @@ struct Args {
     /// same draws). Only the sampled columns take it.
     #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
     parallel_draws: Vec<String>,
+    /// How a greedy Markov step runs on the device, each a table row per layout and weights: as
+    /// two launches (`on`: the W2 product's argmax epilogue, then the pick) or four (`off`, the
+    /// library's default: gather, product, two argmax passes; the weights column then reads e.g.
+    /// `fp8h, unfused Markov`), for an A/B (`dspark_kernels::set_fused_markov`: the same
+    /// tokens). Only the greedy columns take it.
+    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["on", "off"])]
+    fused_markov: Vec<String>,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
     #[arg(long)]
@@ -384,11 +391,11 @@ fn main() -> dspark::Result<()> {
                     // Confidence placement and draw walk innermost: they switch on a built draft.
                     for e in &args.fp8_swiglu {
                         for c in &args.confidence {
-                            combos.extend(
-                                args.parallel_draws
-                                    .iter()
-                                    .map(|d| (l.clone(), w.clone(), *v, e.clone(), c.clone(), d.clone())),
-                            );
+                            for d in &args.parallel_draws {
+                                combos.extend(args.fused_markov.iter().map(|m| {
+                                    (l.clone(), w.clone(), *v, e.clone(), c.clone(), d.clone(), m.clone())
+                                }));
+                            }
                         }
                     }
                 }
@@ -397,7 +404,7 @@ fn main() -> dspark::Result<()> {
         // The draft of the last row, reused while only the confidence placement or the draw walk
         // changes (an 8B-shaped FP8 draft takes some 20 s to draw and quantise on the host).
         let mut built: Option<(DraftKey, DSparkDraft, String)> = None;
-        for (spec, weights, draft_vocab, epilogue, head_on, draws) in combos {
+        for (spec, weights, draft_vocab, epilogue, head_on, draws, fused) in combos {
             let key = (spec.clone(), weights.clone(), draft_vocab, epilogue.clone());
             let (spec, weights) = (&spec, &weights);
             let confidence = spec.ends_with('c');
@@ -474,8 +481,10 @@ fn main() -> dspark::Result<()> {
                 }
             };
             dspark_kernels::set_parallel_draws(draws == "on");
+            dspark_kernels::set_fused_markov(fused == "on");
             let weights =
                 if draws == "off" { format!("{base_label}, serial draws") } else { base_label.clone() };
+            let weights = if fused == "off" { format!("{weights}, unfused Markov") } else { weights };
             // Either call also drops the draft's recorded graphs, so the draw walk just set is
             // the one its rounds record.
             let weights = if confidence && head_on == "host" {

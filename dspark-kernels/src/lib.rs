@@ -27,6 +27,7 @@ static INT_VIEWS: AtomicBool = AtomicBool::new(true);
 static CONFIDENCE_KERNEL: AtomicBool = AtomicBool::new(true);
 static FP8_SWIGLU: AtomicBool = AtomicBool::new(true);
 static PARALLEL_DRAWS: AtomicBool = AtomicBool::new(true);
+static FUSED_MARKOV: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -127,6 +128,23 @@ pub fn set_parallel_draws(enabled: bool) {
 #[doc(hidden)]
 pub fn parallel_draws() -> bool {
     PARALLEL_DRAWS.load(Ordering::Relaxed)
+}
+
+/// Let [`markov_greedy`] on CUDA run each greedy Markov step as two launches (the W2 product
+/// with an argmax epilogue, then a pick that writes the token and gathers the next `W1` row)
+/// instead of four (gather, product, two argmax passes), with no launches after the last step
+/// to join or map the tokens: some 2γ launches fewer a round. The same tokens bit for bit
+/// (the same sums, roundings and order-free choice). Off until its GPU checks have run; for A/B
+/// benchmarks; process-wide.
+#[doc(hidden)]
+pub fn set_fused_markov(enabled: bool) {
+    FUSED_MARKOV.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether [`markov_greedy`] fuses its steps on CUDA (see [`set_fused_markov`]).
+#[doc(hidden)]
+pub fn fused_markov() -> bool {
+    FUSED_MARKOV.load(Ordering::Relaxed)
 }
 
 /// Whether [`int_view`] shares buffers (see [`set_int_views`]).
@@ -504,6 +522,70 @@ pub fn argmax_sum_rows(a: Tensor<3>, k: usize, b: Tensor<2>) -> Tensor<1, Int> {
         if t.dtype() == burn::tensor::DType::F32 { t } else { t.cast(burn::tensor::DType::F32) }
     };
     argmax_rows(f32(a.narrow(1, k, 1).reshape([rows, width])) + f32(b))
+}
+
+/// A Markov head's `W2` `[V', r]` for [`markov_greedy`]: dense in the draft's dtype, or FP8.
+#[derive(Debug, Clone, Copy)]
+pub enum MarkovW2<'a> {
+    /// `[V', r]` in the draft's dtype.
+    Dense(&'a Tensor<2>),
+    /// e4m3 with its scales.
+    Fp8(&'a Fp8Matrix),
+}
+
+impl MarkovW2<'_> {
+    /// `x · W2ᵀ` through [`linear`] or [`linear_fp8`].
+    pub fn product(self, x: Tensor<2>) -> Tensor<2> {
+        match self {
+            MarkovW2::Dense(w) => linear(x, w),
+            MarkovW2::Fp8(m) => linear_fp8(x, m),
+        }
+    }
+}
+
+/// The γ greedy steps of a vanilla Markov head for every lane: step `k` chooses, per lane, the
+/// lowest index of the largest `f32(base[lane, k, i]) + f32((x_k · W2ᵀ)[lane, i])` (as
+/// [`argmax_sum_rows`]), where `x_0 = w1[anchors]` and `x_{k+1} = table[choice_k]`; returns the
+/// choices `[lanes, γ]`, through `to_target` (a restricted draft vocabulary's token ids) when
+/// given.
+///
+/// On CUDA, with [`set_fused_markov`] on and shapes it takes (bf16, at most 64 lanes, a W2 whose
+/// product does not cut the reduction: every DSpark head), a step is two launches: the product,
+/// whose epilogue merges each 16-column block's best into the lane's running argmax (an atomic
+/// max of order-preserving keys), and a pick that writes the choice and gathers the next row.
+/// Elsewhere, and as its reference, the loop of a gather, [`MarkovW2::product`] and
+/// [`argmax_sum_rows`]: the same choices bit for bit (`gpu_kernels
+/// markov_greedy_matches_unfused`).
+///
+/// # Shapes
+/// `anchors`: `[lanes]`, `w1`: `[V, r]`, `base`: `[lanes, γ, V']`, `table`: `[≥ V', r]`,
+/// `to_target`: `[V']` → `[lanes, γ]`.
+pub fn markov_greedy(
+    anchors: Tensor<1, Int>,
+    w1: &Tensor<2>,
+    base: Tensor<3>,
+    w2: MarkovW2<'_>,
+    table: &Tensor<2>,
+    to_target: Option<&Tensor<1, Int>>,
+) -> Tensor<2, Int> {
+    let [lanes, gamma, _] = base.dims();
+    assert_eq!(anchors.dims()[0], lanes, "markov_greedy: {} anchors for {lanes} lanes", anchors.dims()[0]);
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && fused_markov() && cuda::markov::takes(&anchors, w1, &base, w2, table, to_target) {
+        return cuda::markov::markov_greedy(anchors, w1, base, w2, table, to_target);
+    }
+    let mut x = w1.clone().select(0, anchors);
+    let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
+    for k in 0..gamma {
+        let t = argmax_sum_rows(base.clone(), k, w2.product(x));
+        chosen.push(t.clone().reshape([lanes, 1]));
+        x = table.clone().select(0, t);
+    }
+    let chosen = Tensor::cat(chosen, 1);
+    match to_target {
+        Some(m) => m.clone().select(0, chosen.reshape([lanes * gamma])).reshape([lanes, gamma]),
+        None => chosen,
+    }
 }
 
 /// The pre-sigmoid logits of a draft's confidence head over its blocks, `c_k = σ(logit)`: for

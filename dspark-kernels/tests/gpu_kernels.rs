@@ -1866,3 +1866,97 @@ fn linear_fp8_swiglu_matches_reference() {
         }
     }
 }
+
+#[test]
+fn markov_greedy_matches_unfused() {
+    // The fused greedy Markov steps (`set_fused_markov`: the W2 product's argmax epilogue, then
+    // the pick) against the unfused loop (product, `argmax_sum_rows`, gather) on the same
+    // inputs: the same tokens bit for bit. DSpark widths (rank 256 over the whole Qwen3
+    // vocabulary, and over 16 384 draft ids mapped to token ids) and a smaller head; bf16, FP8
+    // per-row and FP8 block-scaled W2; 1 to 9 lanes (two activation tiles). Planted: W2 rows
+    // `c1 < c2` equal and base logits equal and large at both (lane 0, even steps: the lower
+    // index must win), a NaN base logit (never chosen), and a step whose base row is all −∞
+    // (no candidate: index 0, whose `W1` row the next step then reads).
+    use burn::tensor::TensorData;
+    use dspark_kernels::MarkovW2;
+    use dspark_kernels::fp8::ScaleGrid;
+    let device = cuda();
+    let ids = |t: Tensor<2, burn::tensor::Int>| t.into_data().convert::<i64>().try_to_vec::<i64>().unwrap();
+    let cases: [(usize, usize, &[usize], usize, bool); 3] =
+        [(256, 151_936, &[1, 4, 9], 7, false), (256, 16_384, &[3], 16, true), (128, 8192, &[2, 8], 5, false)];
+    for (case, &(rank, width, lane_counts, gamma, mapped)) in cases.iter().enumerate() {
+        let seed = 900 + case as u64;
+        let (c1, c2) = (37usize, width - 5);
+        // The whole table (anchors embed from it) and the table later steps read.
+        let full = if mapped { 151_936 } else { width };
+        let w1 = random(full, rank, 0.5, &device);
+        let table = if mapped { random(width, rank, 0.5, &device) } else { w1.clone() };
+        let to_target =
+            mapped.then(|| int_tensor((0..width).map(|i| (i * 9 + 1) as i32).collect(), [width], &device));
+        let mut w2h = host(random(width, rank, 0.05, &device));
+        w2h.copy_within(c1 * rank..(c1 + 1) * rank, c2 * rank);
+        let w2 = Tensor::<2>::from_data(TensorData::new(w2h, [width, rank]), &device).cast(DType::BF16);
+        let mut bytes = fp8_bytes(width * rank, seed);
+        bytes.copy_within(c1 * rank..(c1 + 1) * rank, c2 * rank);
+        let mut rng = Lcg(seed);
+        let mut scales: Vec<f32> =
+            (0..width).map(|_| 1e-4 * 2f32.powf(rng.next(1000) as f32 / 250.0)).collect();
+        scales[c2] = scales[c1];
+        let per_row =
+            dspark_kernels::Fp8Matrix::upload(&bytes, &scales, [width, rank], ScaleGrid::PerRow, &device)
+                .unwrap();
+        let blocks = Fp8Case::new(width, rank, ScaleGrid::Blocks, seed + 50, &device);
+        let token_of = |i: usize| if mapped { (i * 9 + 1) as i64 } else { i as i64 };
+        for &lanes in lane_counts {
+            let mut bh = host(random(lanes * gamma, width, 3.0, &device));
+            for k in (0..gamma).step_by(2) {
+                bh[k * width + c1] = 96.0;
+                bh[k * width + c2] = 96.0;
+            }
+            for k in 0..gamma {
+                bh[k * width + 3] = f32::NAN;
+            }
+            let dark = (lanes > 1 && gamma > 1).then_some(lanes - 1);
+            if let Some(l) = dark {
+                bh[(l * gamma + 1) * width..(l * gamma + 2) * width].fill(f32::NEG_INFINITY);
+            }
+            let base = Tensor::<2>::from_data(TensorData::new(bh, [lanes * gamma, width]), &device)
+                .cast(DType::BF16)
+                .reshape([lanes, gamma, width]);
+            let anchors: Vec<i32> = (0..lanes).map(|l| ((l * 104_729 + 5) % full) as i32).collect();
+            let anchors = int_tensor(anchors, [lanes], &device);
+            let w2s = [("bf16", MarkovW2::Dense(&w2)), ("FP8 per row", MarkovW2::Fp8(&per_row))];
+            let w2s = w2s.into_iter().chain([("FP8 blocks", MarkovW2::Fp8(&blocks.m))]);
+            for (name, w) in w2s {
+                let run = |fused: bool| {
+                    dspark_kernels::set_fused_markov(fused);
+                    // The fused call's one buffer (tokens, slots, gathered rows) in bf16.
+                    let slots_at = (lanes * gamma).next_multiple_of(32);
+                    poison(2 * ((slots_at + 1024 * lanes).next_multiple_of(4) + lanes * rank / 2), &device);
+                    ids(dspark_kernels::markov_greedy(
+                        anchors.clone(),
+                        &w1,
+                        base.clone(),
+                        w,
+                        &table,
+                        to_target.as_ref(),
+                    ))
+                };
+                let (want, got) = (run(false), run(true));
+                dspark_kernels::set_fused_markov(false);
+                let what =
+                    format!("rank {rank} width {width} lanes {lanes} γ {gamma} {name} mapped {mapped}");
+                assert_eq!(got, want, "{what}: fused tokens differ from the unfused loop");
+                if name != "FP8 blocks" {
+                    for k in (0..gamma).step_by(2) {
+                        assert_eq!(got[k], token_of(c1), "{what}: step {k} of lane 0 breaks the tie low");
+                    }
+                }
+                if let Some(l) = dark {
+                    assert_eq!(got[l * gamma + 1], token_of(0), "{what}: a row with no candidate picks 0");
+                }
+                println!("markov_greedy {what}: fused = unfused ({} tokens)", got.len());
+            }
+        }
+    }
+}

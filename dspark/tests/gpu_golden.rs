@@ -22,9 +22,10 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `dspark_kernels::set_int_views`, `norm-threads-N` for `dspark_kernels::set_norm_threads`,
 /// `confidence-kernel` / `no-confidence-kernel` for `dspark_kernels::set_confidence_kernel`,
 /// `fp8-swiglu` / `no-fp8-swiglu` for `dspark_kernels::set_fp8_swiglu`, `parallel-draws` /
-/// `serial-draws` for `dspark_kernels::set_parallel_draws`), so that one build checks a switch
+/// `serial-draws` for `dspark_kernels::set_parallel_draws`, `fused-markov` / `unfused-markov` for
+/// `dspark_kernels::set_fused_markov`), so that one build checks a switch
 /// either way: before it becomes the default, or the path it replaced. Unset: the library's
-/// defaults (every switch above on, 1024 norm threads). An unknown name fails the test rather
+/// defaults (every switch above on but `fused-markov`, 1024 norm threads). An unknown name fails the test rather
 /// than being ignored.
 fn staged_switches() {
     let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
@@ -40,6 +41,8 @@ fn staged_switches() {
             "no-fp8-swiglu" => dspark_kernels::set_fp8_swiglu(false),
             "parallel-draws" => dspark_kernels::set_parallel_draws(true),
             "serial-draws" => dspark_kernels::set_parallel_draws(false),
+            "fused-markov" => dspark_kernels::set_fused_markov(true),
+            "unfused-markov" => dspark_kernels::set_fused_markov(false),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),

@@ -36,7 +36,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fused::swiglu_value;
+use super::fused::{better, swiglu_value};
 use super::offline::{KernelSource, offline_kernel, transpile};
 
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
@@ -52,6 +52,8 @@ pub(crate) const MAX_ROWS: usize = 64;
 /// `in_words = in / 8`; `in` a multiple of 32, `out` a multiple of `16 · mtiles`. Each weight
 /// block of 16 rows is summed exactly as in a cube of its own (same chunks per warp, same mma
 /// sequence, same warp order): `mtiles` changes only how often an activation row is fetched.
+/// With `argmax` (a Markov step, see [`argmax_candidate`]) `y` is not written: `logits` holds
+/// the step's base logits (row `r` at `r · stride`) and `slots` the rows' running argmax.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn skinny_gemm_kernel(
@@ -59,15 +61,19 @@ fn skinny_gemm_kernel(
     w: &[Words],
     y: &mut [bf16],
     parts: &mut [f32],
+    logits: &[bf16],
+    slots: &[Atomic<u64>],
     rows: u32,
     in_words: u32,
     out: u32,
+    stride: u32,
     #[comptime] tiles: usize,
     #[comptime] warps: usize,
     #[comptime] unroll: usize,
     #[comptime] splits: usize,
     #[comptime] swiglu: bool,
     #[comptime] mtiles: usize,
+    #[comptime] argmax: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -94,6 +100,22 @@ fn skinny_gemm_kernel(
 
     let w_lo = (block * 16 * mtiles + g) * in_words + t;
     let zero = Words::new(0u32);
+
+    // With `argmax`, the base logits the epilogue adds, loaded now.
+    let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
+    if comptime![argmax] {
+        argmax_prefetch(
+            logits,
+            &mut pre,
+            stride as usize,
+            rows,
+            block,
+            warp * 32 + lane,
+            tiles,
+            mtiles,
+            warps,
+        );
+    }
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
@@ -193,7 +215,9 @@ fn skinny_gemm_kernel(
                 let col = (block * mtiles + q / tiles) * 16 + (e % tile_len) % 16;
                 let within = e % tile_len;
                 let row = j * 8 + within / 16;
-                if row < rows {
+                if comptime![argmax] {
+                    argmax_candidate(sum, pre[p], row, rows, col, slots);
+                } else if row < rows {
                     if comptime![splits > 1] {
                         parts[(split * rows + row) * out + col] = sum;
                     } else {
@@ -266,8 +290,115 @@ pub(crate) fn swiglu_epilogue(
     }
 }
 
-/// `y[i] = bf16(parts[0][i] + parts[1][i] + …)`, adding the splits in order; `parts` is
-/// `[splits, len]` f32.
+/// The step's base logits the argmax epilogue ([`argmax_candidate`]) adds, loaded before the
+/// product streams its weight so that their latency is not paid after it: for each pass `p` of
+/// the epilogue, element `e = p · threads + id` (activation row `row`, output column `col`, as
+/// the epilogue maps it) gets `f32(logits[row · stride + col])` in `pre[p]`, or −∞ where `e` or
+/// its row lies past the end.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn argmax_prefetch(
+    logits: &[bf16],
+    pre: &mut Array<f32>,
+    stride: usize,
+    rows: usize,
+    block: usize,
+    id: usize,
+    #[comptime] tiles: usize,
+    #[comptime] mtiles: usize,
+    #[comptime] warps: usize,
+) {
+    let threads = warps * 32;
+    let total = mtiles * tiles * 128;
+    #[unroll]
+    for p in 0..total.div_ceil(threads) {
+        let e = p * threads + id;
+        let q = e / 128;
+        let within = e % 128;
+        let row = (q % tiles) * 8 + within / 16;
+        let col = (block * mtiles + q / tiles) * 16 + within % 16;
+        if e < total && row < rows {
+            pre[p] = f32::cast_from(logits[row * stride + col]);
+        } else {
+            pre[p] = f32::new(f32::NEG_INFINITY);
+        }
+    }
+}
+
+/// Slots of a lane's running argmax in a fused Markov step: cube `c` of the product merges its
+/// candidate into slot `c % MARKOV_SLOTS`, so that some 300 cubes (of 9496 over a 151 936-wide
+/// vocabulary) share an address, and the pick reads one slot a lane of its warp.
+pub(crate) const MARKOV_SLOTS: usize = 32;
+/// u64 words from one slot to the next: 128 bytes, a cache line each, so that the slots' atomics
+/// spread over L2 slices instead of queueing at one.
+pub(crate) const SLOT_STRIDE: usize = 16;
+
+/// The order of candidates as one integer, for `fetch_max`: the value's bits made monotone
+/// (−0 taken as +0, so equal values have equal keys) in the high word, the index's complement
+/// in the low word, so that a larger key is a larger value or, for equal values, a lower index:
+/// the rule of [`better`]. A valid candidate (a value above −∞, never NaN) has a high word of at
+/// least `0x0080_0000`, so 0 means "none".
+#[cube]
+pub(crate) fn candidate_key(v: f32, i: u32) -> u64 {
+    let mut b = u32::reinterpret(v);
+    if v == 0.0f32 {
+        b = 0u32;
+    }
+    let mut key = b | 0x8000_0000u32;
+    if b >= 0x8000_0000u32 {
+        key = b ^ 0xFFFF_FFFFu32;
+    }
+    (u64::cast_from(key) << 32u64) | u64::cast_from(i ^ 0xFFFF_FFFFu32)
+}
+
+/// Step 4'' of a Markov step's W2 product, bf16 ([`skinny_gemm_kernel`]) and FP8
+/// (`fp8_gemm_kernel`) with `argmax`: output `(row, col)`'s f32 sum `sum` (scaled, for FP8 with
+/// per-row scales) is rounded to bf16 as the product would store it, widened, and added to the
+/// step's base logit `base` (`f32(logits[row · stride + col])`, from [`argmax_prefetch`]): the
+/// value the unfused argmax ([`crate::argmax_sum_rows`]) forms. The 16 threads of a 16-column
+/// block of one row (aligned lanes of one warp: `e` and the lane agree in their low five bits)
+/// merge their values by the order-free rule of [`better`] (largest first, then the lowest
+/// column; NaN and −∞ never win), and the block's first thread merges the winner's
+/// [`candidate_key`] into the row's slot `(col / 16) % MARKOV_SLOTS` of `slots` (`SLOT_STRIDE`
+/// words apart) with an atomic
+/// max. (A plain read first, to skip the blocks that lose to the value already there, cost each
+/// cube a round trip to L2 before it could end: 2.8 µs more a W2 product on the H100.) Rows past `rows` join
+/// the shuffles with no candidate. Every thread of a warp that reaches this must call it (the
+/// shuffles span the warp): the kernels call it for all elements `e < total`, and `total` is a
+/// multiple of 128, so whole warps take it or skip it.
+#[cube]
+pub(crate) fn argmax_candidate(
+    sum: f32,
+    base: f32,
+    row: usize,
+    rows: usize,
+    col: usize,
+    slots: &[Atomic<u64>],
+) {
+    let mut best_v = f32::new(f32::NEG_INFINITY);
+    let mut best_i = 0xFFFF_FFFFu32;
+    if row < rows {
+        let v = base + f32::cast_from(bf16::cast_from(sum));
+        if v > best_v {
+            best_v = v;
+            best_i = col as u32;
+        }
+    }
+    #[unroll]
+    for level in 0..4u32 {
+        let mask = 1u32 << level;
+        let (nv, ni) =
+            better(best_v, best_i, plane_shuffle_xor(best_v, mask), plane_shuffle_xor(best_i, mask));
+        best_v = nv;
+        best_i = ni;
+    }
+    if col % 16 == 0 && row < rows && best_i != 0xFFFF_FFFFu32 {
+        let key = candidate_key(best_v, best_i);
+        // The old value is not used: a reduction the cube does not wait for.
+        slots[(row * MARKOV_SLOTS + (col / 16) % MARKOV_SLOTS) * SLOT_STRIDE].fetch_max(key);
+    }
+}
+
 /// Slot `u` of a step's weight loads, for the bf16 and FP8 skinny GEMMs: both 8-row halves of
 /// each of the cube's `mtiles` 16-row weight blocks at `chunk` (one word per lane each; the
 /// lane's first word is `w_lo`, a weight row is `w_words` words), or `zero` past the cube's
@@ -299,6 +430,8 @@ pub(crate) fn load_weight_blocks(
     }
 }
 
+/// `y[i] = bf16(parts[0][i] + parts[1][i] + …)`, adding the splits in order; `parts` is
+/// `[splits, len]` f32.
 #[cube(launch_unchecked)]
 pub(crate) fn combine_splits_kernel(parts: &[f32], y: &mut [bf16], len: u32, #[comptime] splits: usize) {
     let i = ABSOLUTE_POS;
@@ -430,19 +563,24 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, plan.splits as u32, 1),
                 CubeDim::new_2d(32, WARPS as u32),
-                BufferArg::from_raw_parts(x_handle, n * in_words),
+                BufferArg::from_raw_parts(x_handle.clone(), n * in_words),
                 BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
                 BufferArg::from_raw_parts(y_handle.clone(), if deferred { 1 } else { n * out }),
                 BufferArg::from_raw_parts(parts_handle, parts_len),
+                // `logits` and `slots` are touched only with `argmax`: x's buffer stands in.
+                BufferArg::from_raw_parts(x_handle.clone(), 1),
+                BufferArg::from_raw_parts(x_handle, 1),
                 n as u32,
                 in_words as u32,
                 out as u32,
+                0u32,
                 tiles,
                 WARPS,
                 plan.unroll_with(tiles, mt, inp / 32, WARPS),
                 plan.splits,
                 false,
                 mt,
+                false,
             );
         }
         if let Some(p) = &parts
@@ -507,24 +645,85 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, 1, 1),
                 CubeDim::new_2d(32, WARPS as u32),
-                BufferArg::from_raw_parts(x_handle, n * in_words),
+                BufferArg::from_raw_parts(x_handle.clone(), n * in_words),
                 BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
                 BufferArg::from_raw_parts(y_handle.clone(), n * half),
                 BufferArg::from_raw_parts(y_handle, n * half / 2),
+                BufferArg::from_raw_parts(x_handle.clone(), 1),
+                BufferArg::from_raw_parts(x_handle, 1),
                 n as u32,
                 in_words as u32,
                 out as u32,
+                0u32,
                 tiles,
                 WARPS,
                 plan.unroll_with(tiles, mt, inp / 32, WARPS),
                 1,
                 true,
                 mt,
+                false,
             );
         }
         start += n;
     }
     y
+}
+
+/// Whether a Markov step's bf16 W2 `[out, in]` product for `rows` rows takes the argmax
+/// epilogue ([`launch_argmax_step`]): one launch ([`MAX_ROWS`]) and a plan that does not cut the
+/// reduction.
+pub(crate) fn argmax_step_fits(rows: usize, inp: usize, out: usize) -> bool {
+    rows <= MAX_ROWS && supported(rows, inp, out) && plan(Weights::Bf16, inp / 32, out).splits == 1
+}
+
+/// One Markov step's product with the argmax epilogue ([`argmax_candidate`]): `x` `rows` bf16
+/// rows of `in` (words), `w` the bf16 W2 `[out, in]`, `base` the step's base logits (bf16, row
+/// `r` at `r · stride`), `slots` `rows · MARKOV_SLOTS` u64 (zero, or holding this step's earlier
+/// candidates). The caller checked [`argmax_step_fits`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_argmax_step(
+    client: &cubecl::client::Client,
+    x: cubecl::server::Handle,
+    w: &CubeTensor,
+    base: cubecl::server::Handle,
+    base_len: usize,
+    stride: usize,
+    slots: cubecl::server::Handle,
+    rows: usize,
+) {
+    let [out, inp] = [w.meta.shape()[0], w.meta.shape()[1]];
+    let plan = plan(Weights::Bf16, inp / 32, out);
+    let in_words = inp / 8;
+    let tiles = launch_tiles(rows);
+    let mt = plan.mtiles(tiles, out, inp / 32);
+    // SAFETY: x holds `rows · in_words` words, w `out · in_words`, base `base_len` bf16 of which
+    // the kernel reads `r · stride + col` for rows `r < rows` and columns `col < out` (the
+    // caller's `base_len` covers them), slots `rows · MARKOV_SLOTS` u64 (slot `r · MARKOV_SLOTS
+    // + b % MARKOV_SLOTS`); y and parts are never touched with `argmax` (x's buffer stands in).
+    unsafe {
+        skinny_gemm_kernel::launch_unchecked(
+            client,
+            CubeCount::Static((out / 16 / mt) as u32, 1, 1),
+            CubeDim::new_2d(32, WARPS as u32),
+            BufferArg::from_raw_parts(x.clone(), rows * in_words),
+            BufferArg::from_raw_parts(w.handle.clone(), out * in_words),
+            BufferArg::from_raw_parts(x.clone(), 1),
+            BufferArg::from_raw_parts(x, 1),
+            BufferArg::from_raw_parts(base, base_len),
+            BufferArg::from_raw_parts(slots, rows * MARKOV_SLOTS * SLOT_STRIDE),
+            rows as u32,
+            in_words as u32,
+            out as u32,
+            stride as u32,
+            tiles,
+            WARPS,
+            plan.unroll_with(tiles, mt, inp / 32, WARPS),
+            1,
+            false,
+            mt,
+            true,
+        );
+    }
 }
 
 /// The f32 scratch of a split product, `[splits, len]` (reused by each launch of the call), or
@@ -593,6 +792,7 @@ pub(crate) struct GemmVariant {
     splits: usize,
     swiglu: bool,
     mtiles: usize,
+    argmax: bool,
 }
 
 /// Activation tiles of 8 rows one launch of `rows` rows (at most [`MAX_ROWS`]) runs:
@@ -611,31 +811,34 @@ pub(crate) fn launch_tiles(rows: usize) -> usize {
     }
 }
 
-/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`]) launches for `8·tiles`
-/// rows or fewer (one launch) of an `[out, in]` weight.
-pub(crate) fn gemm_variant(tiles: usize, inp: usize, out: usize, swiglu: bool) -> GemmVariant {
+/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`]; with `argmax`,
+/// [`launch_argmax_step`]) launches for `8·tiles` rows or fewer (one launch) of an `[out, in]`
+/// weight.
+pub(crate) fn gemm_variant(tiles: usize, inp: usize, out: usize, swiglu: bool, argmax: bool) -> GemmVariant {
     let plan = plan(Weights::Bf16, inp / 32, out);
     let mtiles = plan.mtiles(tiles, out, inp / 32);
     GemmVariant {
         tiles,
         unroll: plan.unroll_with(tiles, mtiles, inp / 32, WARPS),
-        splits: if swiglu { 1 } else { plan.splits },
+        splits: if swiglu || argmax { 1 } else { plan.splits },
         swiglu,
         mtiles,
+        argmax,
     }
 }
 
 /// `v` expanded and transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_gemm(v: GemmVariant) -> Result<KernelSource, String> {
-    let GemmVariant { tiles, unroll, splits, swiglu, mtiles } = v;
+    let GemmVariant { tiles, unroll, splits, swiglu, mtiles, argmax } = v;
     let label = format!(
-        "skinny_gemm: tiles={tiles} warps={WARPS} unroll={unroll} splits={splits} swiglu={swiglu} mtiles={mtiles}"
+        "skinny_gemm: tiles={tiles} warps={WARPS} unroll={unroll} splits={splits} swiglu={swiglu} mtiles={mtiles} \
+         argmax={argmax}"
     );
     let kernel = offline_kernel!(
         skinny_gemm_kernel::SkinnyGemmKernel,
         CubeDim::new_2d(32, WARPS as u32);
-        b b b b s s s;
-        tiles, WARPS, unroll, splits, swiglu, mtiles
+        b b b b b b s s s s;
+        tiles, WARPS, unroll, splits, swiglu, mtiles, argmax
     );
     transpile(&label, kernel)
 }

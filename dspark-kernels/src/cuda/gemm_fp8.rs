@@ -38,7 +38,8 @@ use cubecl::prelude::*;
 use half::bf16;
 
 use super::gemm::{
-    MAX_ROWS, Product, Weights, combine_splits, load_weight_blocks, plan, split_scratch, swiglu_epilogue,
+    MARKOV_SLOTS, MAX_ROWS, Product, SLOT_STRIDE, Weights, argmax_candidate, argmax_prefetch, combine_splits,
+    load_weight_blocks, plan, split_scratch, swiglu_epilogue,
 };
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
@@ -63,7 +64,9 @@ fn odd_pair(w: u32) -> u32 {
 /// (`in / 16` per row); `scales`: per row or per 128×128 block (`scale_cols` blocks per row);
 /// `y`: `[rows, out]`. `in` a multiple of 64, `out` of `16 · mtiles`. Each block of 16 weight
 /// rows is summed exactly as in a cube of its own: `mtiles` changes only how often an
-/// activation row is fetched.
+/// activation row is fetched. With `argmax` (a Markov step, see
+/// [`argmax_candidate`](super::gemm::argmax_candidate)) `y` is not written: `logits` holds the
+/// step's base logits (row `r` at `r · stride`) and `slots` the rows' running argmax.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn fp8_gemm_kernel(
@@ -72,11 +75,14 @@ fn fp8_gemm_kernel(
     scales: &[f32],
     y: &mut [bf16],
     parts: &mut [f32],
+    logits: &[bf16],
+    slots: &[Atomic<u64>],
     rows: u32,
     x_words: u32,
     out: u32,
     scale_cols: u32,
     pow2_120: f32,
+    stride: u32,
     #[comptime] tiles: usize,
     #[comptime] warps: usize,
     #[comptime] unroll: usize,
@@ -84,6 +90,7 @@ fn fp8_gemm_kernel(
     #[comptime] splits: usize,
     #[comptime] mtiles: usize,
     #[comptime] swiglu: bool,
+    #[comptime] argmax: bool,
 ) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
@@ -112,6 +119,22 @@ fn fp8_gemm_kernel(
 
     let w_lo = (block * 16 * mtiles + g) * w_words + t;
     let zero = Words::new(0u32);
+
+    // With `argmax`, the base logits the epilogue adds, loaded now.
+    let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
+    if comptime![argmax] {
+        argmax_prefetch(
+            logits,
+            &mut pre,
+            stride as usize,
+            rows,
+            block,
+            warp * 32 + lane,
+            tiles,
+            mtiles,
+            warps,
+        );
+    }
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
@@ -246,7 +269,9 @@ fn fp8_gemm_kernel(
                 if !comptime![blocked] {
                     sum *= scales[col];
                 }
-                if row < rows {
+                if comptime![argmax] {
+                    argmax_candidate(sum, pre[p], row, rows, col, slots);
+                } else if row < rows {
                     if comptime![splits > 1] {
                         parts[(split * rows + row) * out + col] = sum;
                     } else {
@@ -346,22 +371,27 @@ pub(crate) fn launch_product(
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, plan.splits as u32, 1),
                 CubeDim::new_2d(32, warps as u32),
-                BufferArg::from_raw_parts(x_handle, n * x_words),
+                BufferArg::from_raw_parts(x_handle.clone(), n * x_words),
                 BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
                 BufferArg::from_raw_parts(scales.handle.clone(), n_scales),
                 BufferArg::from_raw_parts(y_handle.clone(), if deferred { 1 } else { n * out }),
                 BufferArg::from_raw_parts(parts_handle, parts_len),
+                // `logits` and `slots` are touched only with `argmax`: x's buffer stands in.
+                BufferArg::from_raw_parts(x_handle.clone(), 1),
+                BufferArg::from_raw_parts(x_handle, 1),
                 n as u32,
                 x_words as u32,
                 out as u32,
                 scale_cols as u32,
                 2f32.powi(120),
+                0u32,
                 tiles,
                 warps,
                 plan.unroll_with(tiles, mt, inp / 64, warps),
                 blocked,
                 plan.splits,
                 mt,
+                false,
                 false,
             );
         }
@@ -431,16 +461,19 @@ fn launch_swiglu(x: CubeTensor, words: CubeTensor, scales: CubeTensor) -> CubeTe
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, 1, 1),
                 CubeDim::new_2d(32, warps as u32),
-                BufferArg::from_raw_parts(x_handle, n * x_words),
+                BufferArg::from_raw_parts(x_handle.clone(), n * x_words),
                 BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
                 BufferArg::from_raw_parts(scales.handle.clone(), out),
                 BufferArg::from_raw_parts(y_handle.clone(), n * half),
                 BufferArg::from_raw_parts(y_handle, n * half / 2),
+                BufferArg::from_raw_parts(x_handle.clone(), 1),
+                BufferArg::from_raw_parts(x_handle, 1),
                 n as u32,
                 x_words as u32,
                 out as u32,
                 1u32,
                 2f32.powi(120),
+                0u32,
                 tiles,
                 warps,
                 plan.unroll_with(tiles, mt, inp / 64, warps),
@@ -448,11 +481,77 @@ fn launch_swiglu(x: CubeTensor, words: CubeTensor, scales: CubeTensor) -> CubeTe
                 1,
                 mt,
                 true,
+                false,
             );
         }
         start += n;
     }
     y
+}
+
+/// Whether a Markov step's FP8 W2 `[out, in]` product for `rows` rows takes the argmax
+/// epilogue ([`launch_argmax_step`]): one launch ([`MAX_ROWS`]) and a plan that does not cut the
+/// reduction.
+pub(crate) fn argmax_step_fits(rows: usize, inp: usize, out: usize) -> bool {
+    rows <= MAX_ROWS && Fp8Matrix::shape_supported(out, inp) && plan(Weights::Fp8, inp / 64, out).splits == 1
+}
+
+/// One Markov step's FP8 product with the argmax epilogue, as
+/// [`super::gemm::launch_argmax_step`] for an [`Fp8Matrix`] W2 (`words`, `scales`, block scales
+/// when `blocked`). The caller checked [`argmax_step_fits`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_argmax_step(
+    client: &cubecl::client::Client,
+    x: cubecl::server::Handle,
+    words: &CubeTensor,
+    scales: &CubeTensor,
+    blocked: bool,
+    base: cubecl::server::Handle,
+    base_len: usize,
+    stride: usize,
+    slots: cubecl::server::Handle,
+    rows: usize,
+) {
+    let out = words.meta.shape()[0];
+    let inp = words.meta.shape()[1] * 4;
+    let n_scales = scales.meta.shape()[0];
+    let plan = plan(Weights::Fp8, inp / 64, out);
+    let warps = plan.warps(inp / 64);
+    let tiles = rows.div_ceil(8);
+    let mt = plan.mtiles_fp8(tiles, out, inp / 64);
+    let scale_cols = if blocked { inp.div_ceil(BLOCK) } else { 1 };
+    // SAFETY: as in `launch_product` without splits for x, w and scales; base holds `base_len`
+    // bf16 of which the kernel reads `r · stride + col` for rows `r < rows` and columns
+    // `col < out`, slots `rows · MARKOV_SLOTS` u64; y and parts are never touched with `argmax`
+    // (x's buffer stands in).
+    unsafe {
+        fp8_gemm_kernel::launch_unchecked(
+            client,
+            CubeCount::Static((out / 16 / mt) as u32, 1, 1),
+            CubeDim::new_2d(32, warps as u32),
+            BufferArg::from_raw_parts(x.clone(), rows * (inp / 8)),
+            BufferArg::from_raw_parts(words.handle.clone(), out * inp / 16),
+            BufferArg::from_raw_parts(scales.handle.clone(), n_scales),
+            BufferArg::from_raw_parts(x.clone(), 1),
+            BufferArg::from_raw_parts(x, 1),
+            BufferArg::from_raw_parts(base, base_len),
+            BufferArg::from_raw_parts(slots, rows * MARKOV_SLOTS * SLOT_STRIDE),
+            rows as u32,
+            (inp / 8) as u32,
+            out as u32,
+            scale_cols as u32,
+            2f32.powi(120),
+            stride as u32,
+            tiles,
+            warps,
+            plan.unroll_with(tiles, mt, inp / 64, warps),
+            blocked,
+            1,
+            mt,
+            false,
+            true,
+        );
+    }
 }
 
 /// `[rows, out]` for `x` `[rows, in]` and `words` `[out, in / 4]`.
@@ -517,12 +616,20 @@ pub(crate) struct Fp8Variant {
     splits: usize,
     mtiles: usize,
     swiglu: bool,
+    argmax: bool,
 }
 
-/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`], per-row scales only)
-/// launches for `8·tiles` rows or fewer (one launch) of an `[out, in]` e4m3 weight with block
-/// (`blocked`) or per-row scales.
-pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool, swiglu: bool) -> Fp8Variant {
+/// The variant [`launch_product`] (or with `swiglu`, [`launch_swiglu`], per-row scales only;
+/// with `argmax`, [`launch_argmax_step`]) launches for `8·tiles` rows or fewer (one launch) of an
+/// `[out, in]` e4m3 weight with block (`blocked`) or per-row scales.
+pub(crate) fn fp8_variant(
+    tiles: usize,
+    inp: usize,
+    out: usize,
+    blocked: bool,
+    swiglu: bool,
+    argmax: bool,
+) -> Fp8Variant {
     let plan = plan(Weights::Fp8, inp / 64, out);
     let warps = plan.warps(inp / 64);
     let mtiles = plan.mtiles_fp8(tiles, out, inp / 64);
@@ -531,25 +638,26 @@ pub(crate) fn fp8_variant(tiles: usize, inp: usize, out: usize, blocked: bool, s
         warps,
         unroll: plan.unroll_with(tiles, mtiles, inp / 64, warps),
         blocked: blocked && !swiglu,
-        splits: if swiglu { 1 } else { plan.splits },
+        splits: if swiglu || argmax { 1 } else { plan.splits },
         mtiles,
         swiglu,
+        argmax,
     }
 }
 
 /// `v` expanded and transpiled without a device (see [`super::offline`]).
 pub(crate) fn offline_fp8_gemm(v: Fp8Variant) -> Result<super::offline::KernelSource, String> {
     use super::offline::{offline_kernel, transpile};
-    let Fp8Variant { tiles, warps, unroll, blocked, splits, mtiles, swiglu } = v;
+    let Fp8Variant { tiles, warps, unroll, blocked, splits, mtiles, swiglu, argmax } = v;
     let label = format!(
         "fp8_gemm: tiles={tiles} warps={warps} unroll={unroll} blocked={blocked} splits={splits} mtiles={mtiles} \
-         swiglu={swiglu}"
+         swiglu={swiglu} argmax={argmax}"
     );
     let kernel = offline_kernel!(
         fp8_gemm_kernel::Fp8GemmKernel,
         CubeDim::new_2d(32, warps as u32);
-        b b b b b s s s s s;
-        tiles, warps, unroll, blocked, splits, mtiles, swiglu
+        b b b b b b b s s s s s s;
+        tiles, warps, unroll, blocked, splits, mtiles, swiglu, argmax
     );
     transpile(&label, kernel)
 }

@@ -11,5 +11,6 @@ pub(crate) mod floor;
 pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemm_fp8;
+pub(crate) mod markov;
 pub mod offline;
 pub(crate) mod sample;

@@ -278,10 +278,16 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
         for [out, inp] in m.products() {
             let bf16_splits = plan(Weights::Bf16, inp / 32, out).splits;
             for tiles in 1..=8 {
-                all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, false)));
+                all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, false, false)));
                 // As `linear_swiglu` decides (the shape is one `products` kept).
                 if super::gemm::swiglu_plan_fits(inp, out) {
-                    all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, true)));
+                    all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, true, false)));
+                }
+                // A draft's Markov W2 with the argmax epilogue (`markov_greedy`, fused).
+                if m.draft.is_some_and(|(_, rank)| [out, inp] == [m.vocab, rank])
+                    && super::gemm::argmax_step_fits(tiles * 8, inp, out)
+                {
+                    all.insert(Variant::Gemm(super::gemm::gemm_variant(tiles, inp, out, false, true)));
                 }
             }
             if out == m.hidden {
@@ -291,13 +297,20 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
                 for tiles in 1..=8 {
                     for blocked in [false, true] {
                         all.insert(Variant::Fp8Gemm(super::gemm_fp8::fp8_variant(
-                            tiles, inp, out, blocked, false,
+                            tiles, inp, out, blocked, false, false,
                         )));
+                        if m.draft.is_some_and(|(_, rank)| [out, inp] == [m.vocab, rank])
+                            && super::gemm_fp8::argmax_step_fits(tiles * 8, inp, out)
+                        {
+                            all.insert(Variant::Fp8Gemm(super::gemm_fp8::fp8_variant(
+                                tiles, inp, out, blocked, false, true,
+                            )));
+                        }
                     }
                     // As `linear_fp8_swiglu` decides: a paired gate/up weight with per-row scales.
                     if out == 2 * m.intermediate && super::gemm_fp8::swiglu_plan_fits(inp, out) {
                         all.insert(Variant::Fp8Gemm(super::gemm_fp8::fp8_variant(
-                            tiles, inp, out, false, true,
+                            tiles, inp, out, false, true, false,
                         )));
                     }
                 }
@@ -346,6 +359,9 @@ pub fn catalog(models: &[ModelDims]) -> Vec<Result<KernelSource, String>> {
     all.extend(super::accept::offline_fixed());
     all.extend(super::sample::offline_fixed());
     all.push(super::copy::offline_copy());
+    if models.iter().any(|m| m.draft.is_some()) {
+        all.extend(super::markov::offline_markov());
+    }
     all
 }
 

@@ -2,7 +2,8 @@
 //! block for every lane at once, each step a gather of `W1[prev]`, one product with `W2` over
 //! the vocabulary, the add to the base logits and the choice of the token, without leaving the
 //! device when every lane decodes greedily (one read of the γ tokens and confidences at the
-//! end). When a lane samples, each step draws its token on the device too
+//! end; the greedy steps are [`dspark_kernels::markov_greedy`]'s, two launches a step on CUDA
+//! with `dspark_kernels::set_fused_markov`). When a lane samples, each step draws its token on the device too
 //! ([`dspark_kernels::sample_rows`]: f64 weights `exp((x − max) / T)`, inverse CDF with the coin
 //! the host pass would use, keyed by seed and position); the corrected rows come back once at the
 //! end and the host makes each proposal `q = softmax(row / T)` in f64 from them. The device's
@@ -379,17 +380,24 @@ impl DeviceMarkov {
     /// pass chooses (the draft vocabulary is sorted: the lowest index is the lowest token id).
     pub(crate) fn greedy(&self, mut prev: Tensor<1, Int>, base: Tensor<3>, gamma: usize) -> Tensor<2, Int> {
         let lanes = base.dims()[0];
+        if let Some((w1, w2)) = &self.w {
+            // The Markov steps as `dspark_kernels::markov_greedy` runs them (on CUDA two launches
+            // a step): step 0 embeds the anchors from the whole table, later steps the previous
+            // choice from the table of the draft vocabulary; choices map to token ids at the end.
+            let table = match &self.vocab {
+                Some(DeviceVocab { w1: Some(sub), .. }) => sub,
+                _ => w1,
+            };
+            let w2 = match w2 {
+                Weight::Dense(w) => dspark_kernels::MarkovW2::Dense(w),
+                Weight::Fp8(m) => dspark_kernels::MarkovW2::Fp8(m),
+            };
+            let to_target = self.vocab.as_ref().map(|v| &v.to_target);
+            return dspark_kernels::markov_greedy(prev, w1, base, w2, table, to_target);
+        }
         let mut chosen: Vec<Tensor<2, Int>> = Vec::with_capacity(gamma);
         for k in 0..gamma {
-            // The corrected row's argmax; with a Markov head its sum is formed inside the argmax
-            // (the same f32 values as `corrected`, never stored).
-            let t = match &self.w {
-                Some((w1, w2)) => {
-                    let bias = w2_product(self.embed(w1, &prev, k), w2);
-                    dspark_kernels::argmax_sum_rows(base.clone(), k, bias)
-                }
-                None => dspark_kernels::argmax_rows(self.corrected(&prev, &base, k)),
-            };
+            let t = dspark_kernels::argmax_rows(self.corrected(&prev, &base, k));
             chosen.push(t.clone().reshape([lanes, 1]));
             prev = t;
         }
