@@ -367,6 +367,7 @@ pub(crate) fn candidate_key(v: f32, i: u32) -> u64 {
 /// shuffles span the warp): the kernels call it for all elements `e < total`, and `total` is a
 /// multiple of 128, so whole warps take it or skip it.
 #[cube]
+#[allow(clippy::manual_is_multiple_of)] // cube code: `%` on a column index
 pub(crate) fn argmax_candidate(
     sum: f32,
     base: f32,
