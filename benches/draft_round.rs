@@ -143,11 +143,11 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
     parallel_draws: Vec<String>,
     /// How a greedy Markov step runs on the device, each a table row per layout and weights: as
-    /// two launches (`on`: the W2 product's argmax epilogue, then the pick) or four (`off`, the
-    /// library's default: gather, product, two argmax passes; the weights column then reads e.g.
-    /// `fp8h, unfused Markov`), for an A/B (`dspark_kernels::set_fused_markov`: the same
+    /// two launches (`on`, the library's default: the W2 product's argmax epilogue, then the
+    /// pick) or four (`off`: gather, product, two argmax passes; the weights column then reads
+    /// e.g. `fp8h, unfused Markov`), for an A/B (`dspark_kernels::set_fused_markov`: the same
     /// tokens). Only the greedy columns take it.
-    #[arg(long, value_delimiter = ',', default_value = "off", value_parser = ["on", "off"])]
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
     fused_markov: Vec<String>,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.

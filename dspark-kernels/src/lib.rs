@@ -27,7 +27,7 @@ static INT_VIEWS: AtomicBool = AtomicBool::new(true);
 static CONFIDENCE_KERNEL: AtomicBool = AtomicBool::new(true);
 static FP8_SWIGLU: AtomicBool = AtomicBool::new(true);
 static PARALLEL_DRAWS: AtomicBool = AtomicBool::new(true);
-static FUSED_MARKOV: AtomicBool = AtomicBool::new(false);
+static FUSED_MARKOV: AtomicBool = AtomicBool::new(true);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -134,8 +134,10 @@ pub fn parallel_draws() -> bool {
 /// with an argmax epilogue, then a pick that writes the token and gathers the next `W1` row)
 /// instead of four (gather, product, two argmax passes), with no launches after the last step
 /// to join or map the tokens: some 2γ launches fewer a round. The same tokens bit for bit
-/// (the same sums, roundings and order-free choice). Off until its GPU checks have run; for A/B
-/// benchmarks; process-wide.
+/// (the same sums, roundings and order-free choice: `gpu_kernels markov_greedy_matches_unfused`
+/// and the engine tests, H100, 2026-12-06). On by default: γ = 16 bf16 proposals 0.04–0.06 ms
+/// shorter, the others unchanged within noise, some 27 µs less device time in a γ = 7 FP8
+/// proposal (`benches/results/2026-12-06-h100-markov.md`). For A/B benchmarks; process-wide.
 #[doc(hidden)]
 pub fn set_fused_markov(enabled: bool) {
     FUSED_MARKOV.store(enabled, Ordering::Relaxed);

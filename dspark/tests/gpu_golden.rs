@@ -25,7 +25,7 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `serial-draws` for `dspark_kernels::set_parallel_draws`, `fused-markov` / `unfused-markov` for
 /// `dspark_kernels::set_fused_markov`), so that one build checks a switch
 /// either way: before it becomes the default, or the path it replaced. Unset: the library's
-/// defaults (every switch above on but `fused-markov`, 1024 norm threads). An unknown name fails the test rather
+/// defaults (every switch above on, 1024 norm threads). An unknown name fails the test rather
 /// than being ignored.
 fn staged_switches() {
     let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
