@@ -1943,7 +1943,8 @@ fn markov_greedy_matches_unfused() {
                     ))
                 };
                 let (want, got) = (run(false), run(true));
-                dspark_kernels::set_fused_markov(false);
+                // Back to the default for the tests after this one.
+                dspark_kernels::set_fused_markov(true);
                 let what =
                     format!("rank {rank} width {width} lanes {lanes} γ {gamma} {name} mapped {mapped}");
                 assert_eq!(got, want, "{what}: fused tokens differ from the unfused loop");
