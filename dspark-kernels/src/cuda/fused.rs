@@ -987,10 +987,17 @@ const ARGMAX_SEGMENT: usize = ARGMAX_THREADS * ARGMAX_PER_THREAD;
 /// Merge the candidates of a warp by butterfly shuffles (every lane ends with the warp's best).
 #[cube]
 pub(crate) fn warp_best(v: f32, i: u32) -> (f32, u32) {
+    lanes_best(v, i, 5u32)
+}
+
+/// Merge the candidates of each aligned group of `2^levels` lanes of a warp by butterfly
+/// shuffles (every lane ends with its group's best; 5 levels: the whole warp).
+#[cube]
+pub(crate) fn lanes_best(v: f32, i: u32, #[comptime] levels: u32) -> (f32, u32) {
     let mut best_v = v;
     let mut best_i = i;
     #[unroll]
-    for level in 0..5u32 {
+    for level in 0..levels {
         let mask = 1u32 << level;
         let (nv, ni) =
             better(best_v, best_i, plane_shuffle_xor(best_v, mask), plane_shuffle_xor(best_i, mask));

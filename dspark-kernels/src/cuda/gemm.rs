@@ -36,7 +36,7 @@ use cubecl::cmma::MmaDefinition;
 use cubecl::prelude::*;
 use half::bf16;
 
-use super::fused::{better, swiglu_value};
+use super::fused::{lanes_best, swiglu_value};
 use super::offline::{KernelSource, offline_kernel, transpile};
 
 /// 16 bytes: eight bf16 as four 32-bit registers (element `2i` in the low half of word `i`).
@@ -329,15 +329,15 @@ pub(crate) fn argmax_prefetch(
 /// candidate into slot `c % MARKOV_SLOTS`, so that some 300 cubes (of 9496 over a 151 936-wide
 /// vocabulary) share an address, and the pick reads one slot a lane of its warp.
 pub(crate) const MARKOV_SLOTS: usize = 32;
-/// u64 words from one slot to the next: 128 bytes, a cache line each, so that the slots' atomics
-/// spread over L2 slices instead of queueing at one.
+/// u64 words from one slot to the next: 128 bytes, a cache line each, so that no two slots'
+/// atomics meet at one line (adjacent slots measured the same on the H100).
 pub(crate) const SLOT_STRIDE: usize = 16;
 
 /// The order of candidates as one integer, for `fetch_max`: the value's bits made monotone
 /// (−0 taken as +0, so equal values have equal keys) in the high word, the index's complement
 /// in the low word, so that a larger key is a larger value or, for equal values, a lower index:
-/// the rule of [`better`]. A valid candidate (a value above −∞, never NaN) has a high word of at
-/// least `0x0080_0000`, so 0 means "none".
+/// the rule of [`better`](super::fused::better). A valid candidate (a value above −∞, never
+/// NaN) has a high word of at least `0x0080_0000`, so 0 means "none".
 #[cube]
 pub(crate) fn candidate_key(v: f32, i: u32) -> u64 {
     let mut b = u32::reinterpret(v);
@@ -357,15 +357,17 @@ pub(crate) fn candidate_key(v: f32, i: u32) -> u64 {
 /// step's base logit `base` (`f32(logits[row · stride + col])`, from [`argmax_prefetch`]): the
 /// value the unfused argmax ([`crate::argmax_sum_rows`]) forms. The 16 threads of a 16-column
 /// block of one row (aligned lanes of one warp: `e` and the lane agree in their low five bits)
-/// merge their values by the order-free rule of [`better`] (largest first, then the lowest
-/// column; NaN and −∞ never win), and the block's first thread merges the winner's
-/// [`candidate_key`] into the row's slot `(col / 16) % MARKOV_SLOTS` of `slots` (`SLOT_STRIDE`
-/// words apart) with an atomic
-/// max. (A plain read first, to skip the blocks that lose to the value already there, cost each
-/// cube a round trip to L2 before it could end: 2.8 µs more a W2 product on the H100.) Rows past `rows` join
-/// the shuffles with no candidate. Every thread of a warp that reaches this must call it (the
-/// shuffles span the warp): the kernels call it for all elements `e < total`, and `total` is a
-/// multiple of 128, so whole warps take it or skip it.
+/// merge their values by the order-free rule of [`better`](super::fused::better) (largest
+/// first, then the lowest column; NaN and −∞ never win), and the block's first thread merges the
+/// winner's [`candidate_key`] into the row's slot `(col / 16) % MARKOV_SLOTS` of `slots`
+/// (`SLOT_STRIDE` words apart) with an atomic max. Rows past `rows` join the shuffles with no
+/// candidate. Every thread of a warp that reaches this must call it (the shuffles span the
+/// warp): the kernels call it for all elements `e < total`, and `total` is a multiple of 128, so
+/// whole warps take it or skip it.
+///
+/// The epilogue makes a Markov W2 product about 3 µs longer on the H100 (17.0 → 20.0 µs under
+/// Nsight); a plain read to skip the atomic for losing blocks, and slots in one cache line
+/// instead of one a line, measured the same (`benches/results/2026-12-06-h100-markov.md`).
 #[cube]
 #[allow(clippy::manual_is_multiple_of)] // cube code: `%` on a column index
 pub(crate) fn argmax_candidate(
@@ -385,14 +387,7 @@ pub(crate) fn argmax_candidate(
             best_i = col as u32;
         }
     }
-    #[unroll]
-    for level in 0..4u32 {
-        let mask = 1u32 << level;
-        let (nv, ni) =
-            better(best_v, best_i, plane_shuffle_xor(best_v, mask), plane_shuffle_xor(best_i, mask));
-        best_v = nv;
-        best_i = ni;
-    }
+    let (best_v, best_i) = lanes_best(best_v, best_i, 4u32);
     if col % 16 == 0 && row < rows && best_i != 0xFFFF_FFFFu32 {
         let key = candidate_key(best_v, best_i);
         // The old value is not used: a reduction the cube does not wait for.
