@@ -573,7 +573,7 @@ pub fn markov_greedy(
     let [lanes, gamma, _] = base.dims();
     assert_eq!(anchors.dims()[0], lanes, "markov_greedy: {} anchors for {lanes} lanes", anchors.dims()[0]);
     #[cfg(feature = "cuda")]
-    if kernels_enabled() && fused_markov() && cuda::markov::takes(&anchors, w1, &base, w2, table, to_target) {
+    if markov_greedy_fuses(&anchors, w1, &base, w2, table, to_target) {
         return cuda::markov::markov_greedy(anchors, w1, base, w2, table, to_target);
     }
     let mut x = w1.clone().select(0, anchors);
@@ -587,6 +587,28 @@ pub fn markov_greedy(
     match to_target {
         Some(m) => m.clone().select(0, chosen.reshape([lanes * gamma])).reshape([lanes, gamma]),
         None => chosen,
+    }
+}
+
+/// Whether [`markov_greedy`] runs these inputs as its fused steps (CUDA, [`set_fused_markov`]
+/// on, shapes it takes), for tests that must not compare the unfused loop with itself.
+#[doc(hidden)]
+pub fn markov_greedy_fuses(
+    anchors: &Tensor<1, Int>,
+    w1: &Tensor<2>,
+    base: &Tensor<3>,
+    w2: MarkovW2<'_>,
+    table: &Tensor<2>,
+    to_target: Option<&Tensor<1, Int>>,
+) -> bool {
+    #[cfg(feature = "cuda")]
+    return kernels_enabled()
+        && fused_markov()
+        && cuda::markov::takes(anchors, w1, base, w2, table, to_target);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (anchors, w1, base, w2, table, to_target);
+        false
     }
 }
 

@@ -1942,6 +1942,11 @@ fn markov_greedy_matches_unfused() {
                         to_target.as_ref(),
                     ))
                 };
+                dspark_kernels::set_fused_markov(true);
+                assert!(
+                    dspark_kernels::markov_greedy_fuses(&anchors, &w1, &base, w, &table, to_target.as_ref()),
+                    "the fused path must take these inputs"
+                );
                 let (want, got) = (run(false), run(true));
                 // Back to the default for the tests after this one.
                 dspark_kernels::set_fused_markov(true);
