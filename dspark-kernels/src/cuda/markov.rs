@@ -2,9 +2,10 @@
 //! merges each 16-column block's best value into the lane's running argmax
 //! ([`super::gemm::argmax_candidate`]: an atomic max of
 //! [`candidate_key`](super::gemm::candidate_key)s), and one small kernel that picks the token,
-//! writes it, clears the slots and gathers the next step's `W1` row. Two launches a step instead of four (gather, product, two argmax passes), one before the
-//! first step (the anchors' rows, the slots cleared), and none after the last to join the steps'
-//! tokens or map them to token ids.
+//! writes it, clears the slots and gathers the next step's `W1` row. Two launches a step
+//! instead of four (gather, product, two argmax passes), one before the first step (the
+//! anchors' rows, the slots cleared), and none after the last to join the steps' tokens or map
+//! them to token ids.
 //!
 //! # Exactness
 //! A step's values are the unfused path's: the product's sums in the same order, rounded to

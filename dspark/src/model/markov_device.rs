@@ -3,10 +3,11 @@
 //! the vocabulary, the add to the base logits and the choice of the token, without leaving the
 //! device when every lane decodes greedily (one read of the γ tokens and confidences at the
 //! end; the greedy steps are [`dspark_kernels::markov_greedy`]'s, two launches a step on CUDA
-//! with `dspark_kernels::set_fused_markov`). When a lane samples, each step draws its token on the device too
-//! ([`dspark_kernels::sample_rows`]: f64 weights `exp((x − max) / T)`, inverse CDF with the coin
-//! the host pass would use, keyed by seed and position); the corrected rows come back once at the
-//! end and the host makes each proposal `q = softmax(row / T)` in f64 from them. The device's
+//! with `dspark_kernels::set_fused_markov`). When a lane samples, each step draws its token on
+//! the device too ([`dspark_kernels::sample_rows`]: f64 weights `exp((x − max) / T)`, inverse
+//! CDF with the coin the host pass would use, keyed by seed and position); the corrected rows
+//! come back once at the end and the host makes each proposal `q = softmax(row / T)` in f64 from
+//! them. The device's
 //! sums run in another order than the host's, so the distribution it drew from and `q` differ by
 //! f64 rounding (about 1e-16 relative), far below anything a distribution test could see.
 //!
@@ -17,12 +18,13 @@
 //! the block's hidden rows and the `markov_w1` rows of the previous tokens, in the draft's
 //! dtype), so a round reads back γ logits a lane instead of its γ hidden rows; the host pass
 //! makes the same logits in f64, and the two confidences differ by f32 rounding (checked below
-//! 1e-5). Until the device head has passed its GPU checks it stays on the host by default.
+//! 1e-5). It runs here by default (`dspark_kernels::set_confidence_kernel`).
 //!
 //! The bias `W2 · W1[prev]` is computed in the draft's dtype (f32 accumulation on the bf16
 //! kernel path; for an FP8 draft, whose `W2` is e4m3 with per-row scales, on the FP8 kernel
-//! path, and the host pass then uses the same dequantised `W2`) instead of the host pass's f64: the draft's choices may differ on near-ties,
-//! which changes acceptance, never the output distribution.
+//! path, and the host pass then uses the same dequantised `W2`) instead of the host pass's f64:
+//! the draft's choices may differ on near-ties, which changes acceptance, never the output
+//! distribution.
 
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
