@@ -653,9 +653,45 @@ pub fn confidence_logits(
     );
     #[cfg(feature = "cuda")]
     if kernels_enabled() && cuda::confidence::takes(&hidden, table, weight) {
-        return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias);
+        return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias, false);
     }
     reference::confidence_logits(hidden, table, anchors, tokens, weight, bias)
+}
+
+/// `[tokens as f32 ; confidence_logits(..)]`: a draft round's readback (its `rows` tokens, then
+/// their confidence logits) in one f32 buffer. On CUDA where [`confidence_logits`] runs its
+/// kernel, the same launch writes both halves (no cast or concatenation after it); elsewhere the
+/// tokens are cast and joined to [`confidence_logits`]. Token ids are below 2²⁴, so exact.
+///
+/// # Shapes
+/// As [`confidence_logits`], → `[2·rows]` (f32).
+///
+/// # Panics
+/// As [`confidence_logits`].
+pub fn tokens_and_confidence_logits(
+    hidden: Tensor<2>,
+    table: Option<&Tensor<2>>,
+    anchors: Tensor<1, Int>,
+    tokens: Tensor<1, Int>,
+    weight: &Tensor<1>,
+    bias: f32,
+) -> Tensor<1> {
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::confidence::takes(&hidden, table, weight) {
+        let [rows, hd] = hidden.dims();
+        let rank = table.map_or(0, |t| t.dims()[1]);
+        let lanes = anchors.dims()[0];
+        assert!(
+            lanes > 0 && rows > 0 && rows.is_multiple_of(lanes),
+            "tokens_and_confidence_logits: {rows} rows for {lanes} lanes"
+        );
+        assert_eq!(tokens.dims()[0], rows, "tokens_and_confidence_logits: one token per row");
+        assert!(weight.dims()[0] >= hd + rank, "tokens_and_confidence_logits: too few weights");
+        return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias, true);
+    }
+    let as_f32 = tokens.clone().float().cast(burn::tensor::DType::F32);
+    let logits = confidence_logits(hidden, table, anchors, tokens, weight, bias);
+    Tensor::cat(vec![as_f32, logits], 0)
 }
 
 /// One draw per row from `softmax(x_r / T_r)` over the whole row (the draft's proposal in a

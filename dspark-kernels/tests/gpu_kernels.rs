@@ -1809,6 +1809,24 @@ fn confidence_logits_match_reference() {
                         );
                     }
                 }
+                // The round's readback form: the tokens as f32 (the negative id too), then the
+                // same launch's logits, bit for bit.
+                poison(rows * 2, &device);
+                let both = host1(dspark_kernels::tokens_and_confidence_logits(
+                    hidden.clone(),
+                    tab,
+                    anchors.clone(),
+                    tokens.clone(),
+                    &weight,
+                    0.25,
+                ));
+                let mut expect: Vec<f32> = tk.iter().map(|&id| id as f32).collect();
+                expect.extend(&got);
+                assert_eq!(
+                    both.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    expect.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    "tokens and logits, hd {hd} rank {rank} lanes {lanes} γ {gamma} markov {markov}"
+                );
             }
         }
     }

@@ -22,6 +22,10 @@ const THREADS: usize = 256;
 /// Thread `t` adds the products of elements `t, t + THREADS, …` of `[h_r ; table[prev]]` in that
 /// order; then a warp butterfly, then the warps in order, then the bias: an order fixed by the
 /// widths alone, whatever the number of rows or lanes.
+///
+/// The logit goes to `out[r]`, or with `with_tokens` to `out[rows + r]` after the row's token
+/// as f32 in `out[r]` (a draft round's whole readback in one buffer, no cast or concatenation
+/// after).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn confidence_kernel(
@@ -36,6 +40,7 @@ fn confidence_kernel(
     bias: f32,
     #[comptime] hd: usize,
     #[comptime] rank: usize,
+    #[comptime] with_tokens: bool,
 ) {
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
@@ -79,7 +84,13 @@ fn confidence_kernel(
         for k in 0..THREADS / 32 {
             total += partial[k];
         }
-        out[row] = total + bias;
+        if comptime![with_tokens] {
+            // The ids are i32 (read as u32); token ids are below 2²⁴, exact in f32.
+            out[row] = f32::cast_from(i32::reinterpret(tokens[row]));
+            out[CUBE_COUNT_X as usize + row] = total + bias;
+        } else {
+            out[row] = total + bias;
+        }
     }
 }
 
@@ -101,6 +112,8 @@ pub(crate) fn takes(hidden: &Tensor<2>, table: Option<&Tensor<2>>, weight: &Tens
 }
 
 /// See [`crate::confidence_logits`]; the caller checked [`takes`] and the shapes.
+/// With `with_tokens`, `[2·rows]`: the tokens as f32, then the logits (see
+/// [`crate::tokens_and_confidence_logits`]).
 pub(crate) fn confidence_logits(
     hidden: Tensor<2>,
     table: Option<&Tensor<2>>,
@@ -108,22 +121,29 @@ pub(crate) fn confidence_logits(
     tokens: Tensor<1, Int>,
     weight: &Tensor<1>,
     bias: f32,
+    with_tokens: bool,
 ) -> Tensor<1> {
     let markov = table.is_some();
     // Without a table the kernel never reads one: the rows stand in.
     let table = table.cloned().unwrap_or_else(|| hidden.clone());
     let ids = |t: Tensor<1, Int>| t.cast(DType::I32).into_dispatch();
-    Tensor::from_dispatch(<Dispatch as ConfidenceOps>::confidence_logits(
+    let (hidden, table, anchors, tokens, weight) = (
         hidden.into_dispatch(),
         table.into_dispatch(),
         ids(anchors),
         ids(tokens),
         weight.clone().into_dispatch(),
-        bias,
-        markov,
-    ))
+    );
+    Tensor::from_dispatch(if with_tokens {
+        <Dispatch as ConfidenceOps>::tokens_and_confidence_logits(
+            hidden, table, anchors, tokens, weight, bias, markov,
+        )
+    } else {
+        <Dispatch as ConfidenceOps>::confidence_logits(hidden, table, anchors, tokens, weight, bias, markov)
+    })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn launch(
     hidden: CubeTensor,
     table: CubeTensor,
@@ -132,6 +152,7 @@ fn launch(
     w: CubeTensor,
     bias: f32,
     markov: bool,
+    with_tokens: bool,
 ) -> CubeTensor {
     let contiguous = burn_cubecl::kernel::into_contiguous;
     let (hidden, table, anchors, tokens, w) =
@@ -150,13 +171,14 @@ fn launch(
     let out = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
         client.clone(),
         hidden.device.clone(),
-        [rows].into(),
+        [rows * (1 + usize::from(with_tokens))].into(),
         DType::F32,
     );
     let table_len = if markov { table_rows * rank } else { rows * hd };
     // SAFETY: cube r reads row r of `hidden` (`rows·hd` bf16), `w[.. hd + rank]` (`n_w` f32),
     // anchor `r / γ < lanes` or token `r − 1 < rows`, and, with a table, row `prev` of it only
-    // when `prev < table_rows` (else row 0), `rank` bf16; it writes `out[r]` (`rows` f32).
+    // when `prev < table_rows` (else row 0), `rank` bf16; it writes `out[r]` (`rows` f32), and
+    // with `with_tokens` also `out[rows + r]` (`2·rows` f32; the grid's x extent is `rows`).
     unsafe {
         confidence_kernel::launch_unchecked(
             &client,
@@ -167,12 +189,13 @@ fn launch(
             BufferArg::from_raw_parts(anchors.handle.clone(), lanes),
             BufferArg::from_raw_parts(tokens.handle.clone(), rows),
             BufferArg::from_raw_parts(w.handle.clone(), n_w),
-            BufferArg::from_raw_parts(out.handle.clone(), rows),
+            BufferArg::from_raw_parts(out.handle.clone(), rows * (1 + usize::from(with_tokens))),
             (rows / lanes) as u32,
             table_rows as u32,
             bias,
             hd,
             rank,
+            with_tokens,
         );
     }
     out
@@ -182,6 +205,10 @@ fn rows_shape(hidden: &burn::tensor::Shape) -> burn::tensor::Shape {
     [hidden[0]].into()
 }
 
+fn two_rows_shape(hidden: &burn::tensor::Shape) -> burn::tensor::Shape {
+    [2 * hidden[0]].into()
+}
+
 /// The backend extension: run by CubeCL on CUDA and deferred through fusion.
 #[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
 pub trait ConfidenceOps: burn::backend::Backend {
@@ -189,6 +216,19 @@ pub trait ConfidenceOps: burn::backend::Backend {
     #[fusion(dtype = DType::F32, shape = rows_shape(hidden))]
     #[allow(clippy::too_many_arguments)]
     fn confidence_logits(
+        hidden: burn::backend::tensor::FloatTensor<Self>,
+        table: burn::backend::tensor::FloatTensor<Self>,
+        anchors: burn::backend::tensor::IntTensor<Self>,
+        tokens: burn::backend::tensor::IntTensor<Self>,
+        weight: burn::backend::tensor::FloatTensor<Self>,
+        bias: f32,
+        markov: bool,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
+
+    /// The block's tokens as f32, then its confidence logits (`[2·rows]` f32).
+    #[fusion(dtype = DType::F32, shape = two_rows_shape(hidden))]
+    #[allow(clippy::too_many_arguments)]
+    fn tokens_and_confidence_logits(
         hidden: burn::backend::tensor::FloatTensor<Self>,
         table: burn::backend::tensor::FloatTensor<Self>,
         anchors: burn::backend::tensor::IntTensor<Self>,
@@ -209,20 +249,32 @@ impl ConfidenceOps for CubeBackend {
         bias: f32,
         markov: bool,
     ) -> CubeTensor {
-        launch(hidden, table, anchors, tokens, weight, bias, markov)
+        launch(hidden, table, anchors, tokens, weight, bias, markov, false)
+    }
+
+    fn tokens_and_confidence_logits(
+        hidden: CubeTensor,
+        table: CubeTensor,
+        anchors: CubeTensor,
+        tokens: CubeTensor,
+        weight: CubeTensor,
+        bias: f32,
+        markov: bool,
+    ) -> CubeTensor {
+        launch(hidden, table, anchors, tokens, weight, bias, markov, true)
     }
 }
 
 /// The kernel at a draft's widths (`hd` hidden, `rank` Markov rank, 0 without the Markov term),
 /// transpiled without a device (see [`super::offline`]).
-pub(crate) fn offline_confidence(hd: usize, rank: usize) -> Result<KernelSource, String> {
+pub(crate) fn offline_confidence(hd: usize, rank: usize, with_tokens: bool) -> Result<KernelSource, String> {
     transpile(
-        &format!("confidence: hd={hd} rank={rank}"),
+        &format!("confidence: hd={hd} rank={rank} with_tokens={with_tokens}"),
         offline_kernel!(
             confidence_kernel::ConfidenceKernel,
             CubeDim::new_1d(THREADS as u32);
             b b b b b b s s s;
-            hd, rank
+            hd, rank, with_tokens
         ),
     )
 }

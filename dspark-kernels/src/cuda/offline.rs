@@ -263,7 +263,10 @@ impl Variant {
                 vec![super::fused::offline_qkv_store(heads, kv_heads, head_dim, idx_words)]
             }
             Variant::Attention { head_dim, groups } => super::attention::offline_attention(head_dim, groups),
-            Variant::Confidence { hd, rank } => vec![super::confidence::offline_confidence(hd, rank)],
+            Variant::Confidence { hd, rank } => [false, true]
+                .into_iter()
+                .map(|with_tokens| super::confidence::offline_confidence(hd, rank, with_tokens))
+                .collect(),
         }
     }
 }

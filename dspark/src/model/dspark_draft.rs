@@ -1078,15 +1078,18 @@ impl DSparkDraft {
                 (markov.greedy(anchors.clone(), logits, gamma), None)
             };
             let tokens = tokens.reshape([n]);
-            let after = match confidence {
-                ConfidenceOut::None => None,
-                ConfidenceOut::Logits => markov.confidence_logits(hidden, anchors, tokens.clone()),
-                ConfidenceOut::Hidden => Some(to32(hidden).reshape([n * h])),
-            };
-            let tokens = tokens.float().cast(DType::F32);
-            let first = match after {
-                Some(after) => Tensor::cat(vec![tokens, after], 0),
-                None => tokens,
+            let as_f32 = |t: Tensor<1, Int>| t.float().cast(DType::F32);
+            // The tokens as f32, then what the confidence head needs: its logits (written with
+            // the tokens by one launch), the hidden rows, or nothing.
+            let first = match confidence {
+                ConfidenceOut::Logits => {
+                    match markov.tokens_and_confidence_logits(hidden, anchors, tokens.clone()) {
+                        Some(both) => both,
+                        None => as_f32(tokens),
+                    }
+                }
+                ConfidenceOut::Hidden => Tensor::cat(vec![as_f32(tokens), to32(hidden).reshape([n * h])], 0),
+                ConfidenceOut::None => as_f32(tokens),
             };
             let width = first.dims()[0];
             Ok(std::iter::once(first.reshape([1, width])).chain(rows).collect())

@@ -216,6 +216,19 @@ impl DeviceMarkov {
         Some(dspark_kernels::confidence_logits(hidden, table, anchors, tokens, &c.weight, c.bias))
     }
 
+    /// [`Self::confidence_logits`] after the tokens as f32, in one buffer `[2·lanes·γ]` (a
+    /// recorded round's readback; [`dspark_kernels::tokens_and_confidence_logits`]).
+    pub(crate) fn tokens_and_confidence_logits(
+        &self,
+        hidden: Tensor<2>,
+        anchors: Tensor<1, Int>,
+        tokens: Tensor<1, Int>,
+    ) -> Option<Tensor<1>> {
+        let c = self.confidence.as_ref()?;
+        let table = self.w.as_ref().map(|(w1, _)| w1).filter(|_| c.with_markov);
+        Some(dspark_kernels::tokens_and_confidence_logits(hidden, table, anchors, tokens, &c.weight, c.bias))
+    }
+
     /// `W1[prev]` at step `k`: `prev` holds token ids at the first step (the anchors) and, with a
     /// restricted draft vocabulary, draft indices after it.
     fn embed(&self, w1: &Tensor<2>, prev: &Tensor<1, Int>, k: usize) -> Tensor<2> {
