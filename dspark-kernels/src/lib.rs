@@ -638,6 +638,22 @@ pub fn confidence_logits(
     weight: &Tensor<1>,
     bias: f32,
 ) -> Tensor<1> {
+    check_confidence_shapes(&hidden, table, &anchors, &tokens, weight);
+    #[cfg(feature = "cuda")]
+    if kernels_enabled() && cuda::confidence::takes(&hidden, table, weight) {
+        return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias, false);
+    }
+    reference::confidence_logits(hidden, table, anchors, tokens, weight, bias)
+}
+
+/// The shape rules of [`confidence_logits`] (see its panics).
+fn check_confidence_shapes(
+    hidden: &Tensor<2>,
+    table: Option<&Tensor<2>>,
+    anchors: &Tensor<1, Int>,
+    tokens: &Tensor<1, Int>,
+    weight: &Tensor<1>,
+) {
     let [rows, hd] = hidden.dims();
     let lanes = anchors.dims()[0];
     let rank = table.map_or(0, |t| t.dims()[1]);
@@ -651,11 +667,6 @@ pub fn confidence_logits(
         "confidence_logits: {} weights for {hd} + {rank}",
         weight.dims()[0]
     );
-    #[cfg(feature = "cuda")]
-    if kernels_enabled() && cuda::confidence::takes(&hidden, table, weight) {
-        return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias, false);
-    }
-    reference::confidence_logits(hidden, table, anchors, tokens, weight, bias)
 }
 
 /// `[tokens as f32 ; confidence_logits(..)]`: a draft round's readback (its `rows` tokens, then
@@ -678,15 +689,7 @@ pub fn tokens_and_confidence_logits(
 ) -> Tensor<1> {
     #[cfg(feature = "cuda")]
     if kernels_enabled() && cuda::confidence::takes(&hidden, table, weight) {
-        let [rows, hd] = hidden.dims();
-        let rank = table.map_or(0, |t| t.dims()[1]);
-        let lanes = anchors.dims()[0];
-        assert!(
-            lanes > 0 && rows > 0 && rows.is_multiple_of(lanes),
-            "tokens_and_confidence_logits: {rows} rows for {lanes} lanes"
-        );
-        assert_eq!(tokens.dims()[0], rows, "tokens_and_confidence_logits: one token per row");
-        assert!(weight.dims()[0] >= hd + rank, "tokens_and_confidence_logits: too few weights");
+        check_confidence_shapes(&hidden, table, &anchors, &tokens, weight);
         return cuda::confidence::confidence_logits(hidden, table, anchors, tokens, weight, bias, true);
     }
     let as_f32 = tokens.clone().float().cast(burn::tensor::DType::F32);

@@ -127,20 +127,16 @@ pub(crate) fn confidence_logits(
     // Without a table the kernel never reads one: the rows stand in.
     let table = table.cloned().unwrap_or_else(|| hidden.clone());
     let ids = |t: Tensor<1, Int>| t.cast(DType::I32).into_dispatch();
-    let (hidden, table, anchors, tokens, weight) = (
+    Tensor::from_dispatch(<Dispatch as ConfidenceOps>::confidence_logits(
         hidden.into_dispatch(),
         table.into_dispatch(),
         ids(anchors),
         ids(tokens),
         weight.clone().into_dispatch(),
-    );
-    Tensor::from_dispatch(if with_tokens {
-        <Dispatch as ConfidenceOps>::tokens_and_confidence_logits(
-            hidden, table, anchors, tokens, weight, bias, markov,
-        )
-    } else {
-        <Dispatch as ConfidenceOps>::confidence_logits(hidden, table, anchors, tokens, weight, bias, markov)
-    })
+        bias,
+        markov,
+        with_tokens,
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -201,19 +197,20 @@ fn launch(
     out
 }
 
-fn rows_shape(hidden: &burn::tensor::Shape) -> burn::tensor::Shape {
-    [hidden[0]].into()
-}
-
-fn two_rows_shape(hidden: &burn::tensor::Shape) -> burn::tensor::Shape {
-    [2 * hidden[0]].into()
+/// `[rows]`, or `[2·rows]` with the tokens before the logits.
+fn logits_shape(
+    hidden: &burn::tensor::Shape,
+    with_tokens: impl std::borrow::Borrow<bool>,
+) -> burn::tensor::Shape {
+    [hidden[0] * (1 + usize::from(*with_tokens.borrow()))].into()
 }
 
 /// The backend extension: run by CubeCL on CUDA and deferred through fusion.
 #[burn::backend::backend_extension(Cube: cfg(feature = "cuda"), Fusion: cfg(feature = "cuda"))]
 pub trait ConfidenceOps: burn::backend::Backend {
-    /// The confidence logits of a block's rows (f32), with the table's term when `markov`.
-    #[fusion(dtype = DType::F32, shape = rows_shape(hidden))]
+    /// The confidence logits of a block's rows (f32), with the table's term when `markov`;
+    /// with `with_tokens`, after the rows' tokens as f32 (`[2·rows]`).
+    #[fusion(dtype = DType::F32, shape = logits_shape(hidden, with_tokens))]
     #[allow(clippy::too_many_arguments)]
     fn confidence_logits(
         hidden: burn::backend::tensor::FloatTensor<Self>,
@@ -223,19 +220,7 @@ pub trait ConfidenceOps: burn::backend::Backend {
         weight: burn::backend::tensor::FloatTensor<Self>,
         bias: f32,
         markov: bool,
-    ) -> burn::backend::tensor::FloatTensor<Self>;
-
-    /// The block's tokens as f32, then its confidence logits (`[2·rows]` f32).
-    #[fusion(dtype = DType::F32, shape = two_rows_shape(hidden))]
-    #[allow(clippy::too_many_arguments)]
-    fn tokens_and_confidence_logits(
-        hidden: burn::backend::tensor::FloatTensor<Self>,
-        table: burn::backend::tensor::FloatTensor<Self>,
-        anchors: burn::backend::tensor::IntTensor<Self>,
-        tokens: burn::backend::tensor::IntTensor<Self>,
-        weight: burn::backend::tensor::FloatTensor<Self>,
-        bias: f32,
-        markov: bool,
+        with_tokens: bool,
     ) -> burn::backend::tensor::FloatTensor<Self>;
 }
 
@@ -248,20 +233,9 @@ impl ConfidenceOps for CubeBackend {
         weight: CubeTensor,
         bias: f32,
         markov: bool,
+        with_tokens: bool,
     ) -> CubeTensor {
-        launch(hidden, table, anchors, tokens, weight, bias, markov, false)
-    }
-
-    fn tokens_and_confidence_logits(
-        hidden: CubeTensor,
-        table: CubeTensor,
-        anchors: CubeTensor,
-        tokens: CubeTensor,
-        weight: CubeTensor,
-        bias: f32,
-        markov: bool,
-    ) -> CubeTensor {
-        launch(hidden, table, anchors, tokens, weight, bias, markov, true)
+        launch(hidden, table, anchors, tokens, weight, bias, markov, with_tokens)
     }
 }
 

@@ -1083,7 +1083,7 @@ impl DSparkDraft {
             // the tokens by one launch), the hidden rows, or nothing.
             let first = match confidence {
                 ConfidenceOut::Logits => {
-                    match markov.tokens_and_confidence_logits(hidden, anchors, tokens.clone()) {
+                    match markov.confidence_logits(hidden, anchors, tokens.clone(), true) {
                         Some(both) => both,
                         None => as_f32(tokens),
                     }

@@ -205,28 +205,24 @@ impl DeviceMarkov {
     /// The confidence head's logits of the blocks' rows, on the device
     /// ([`dspark_kernels::confidence_logits`]): `hidden` `[lanes·γ, H]`, `anchors` `[lanes]`,
     /// `tokens` `[lanes·γ]` (token ids, the drafts of the rows). `None` without a head.
+    ///
+    /// With `with_tokens`, the logits come after the tokens as f32, in one buffer `[2·lanes·γ]`
+    /// (a recorded round's readback; [`dspark_kernels::tokens_and_confidence_logits`]).
     pub(crate) fn confidence_logits(
         &self,
         hidden: Tensor<2>,
         anchors: Tensor<1, Int>,
         tokens: Tensor<1, Int>,
+        with_tokens: bool,
     ) -> Option<Tensor<1>> {
         let c = self.confidence.as_ref()?;
         let table = self.w.as_ref().map(|(w1, _)| w1).filter(|_| c.with_markov);
-        Some(dspark_kernels::confidence_logits(hidden, table, anchors, tokens, &c.weight, c.bias))
-    }
-
-    /// [`Self::confidence_logits`] after the tokens as f32, in one buffer `[2·lanes·γ]` (a
-    /// recorded round's readback; [`dspark_kernels::tokens_and_confidence_logits`]).
-    pub(crate) fn tokens_and_confidence_logits(
-        &self,
-        hidden: Tensor<2>,
-        anchors: Tensor<1, Int>,
-        tokens: Tensor<1, Int>,
-    ) -> Option<Tensor<1>> {
-        let c = self.confidence.as_ref()?;
-        let table = self.w.as_ref().map(|(w1, _)| w1).filter(|_| c.with_markov);
-        Some(dspark_kernels::tokens_and_confidence_logits(hidden, table, anchors, tokens, &c.weight, c.bias))
+        let logits = if with_tokens {
+            dspark_kernels::tokens_and_confidence_logits
+        } else {
+            dspark_kernels::confidence_logits
+        };
+        Some(logits(hidden, table, anchors, tokens, &c.weight, c.bias))
     }
 
     /// `W1[prev]` at step `k`: `prev` holds token ids at the first step (the anchors) and, with a
@@ -330,7 +326,7 @@ impl DeviceMarkov {
         let n = lanes * gamma;
         let flat = tokens.reshape([n]);
         let (ids, logits): (Vec<i64>, Option<Vec<f32>>) =
-            match hidden.and_then(|h| self.confidence_logits(h, anchors, flat.clone())) {
+            match hidden.and_then(|h| self.confidence_logits(h, anchors, flat.clone(), false)) {
                 Some(conf) => {
                     let values = read_f32(Tensor::cat(vec![flat.float().cast(DType::F32), conf], 0))?;
                     (values[..n].iter().map(|&t| t as i64).collect(), Some(values[n..].to_vec()))
