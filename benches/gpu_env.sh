@@ -17,3 +17,17 @@ ncu_fp8h_propose() {
         --weights fp8h --reps 2 --warmup 3 --profile propose > /dev/null 2>&1
     echo "ncu exit $?"; python3 benches/ncu_summary.py "$OUT/$1" "fp8h propose" | head -30
 }
+
+# Each launch of one recorded bf16 target step and one 8-row verify under Nsight Compute (graph
+# nodes), named by role (benches/ncu_layer.py) and appended to $OUT/ncu.md.
+ncu_step_verify() {
+    local ncu phase
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    for phase in step verify; do
+        timeout 200 "$ncu" --clock-control none --cache-control none --profile-from-start off --graph-profiling node \
+            --metrics gpu__time_duration.sum --csv --print-units base --log-file "$OUT/ncu-$phase.csv" \
+            out/bin/bench-draft --device cuda --dtype bf16 --layouts 7c --weights bf16 --reps 2 --warmup 3 \
+            --context 512 --profile "$phase" > /dev/null 2> "$OUT/ncu-$phase.log"
+        echo "ncu $phase exit $?"; python3 benches/ncu_layer.py "$OUT/ncu-$phase.csv" "$phase" | tee -a "$OUT/ncu.md"
+    done
+}

@@ -31,13 +31,7 @@ floor)
     echo "bench-target exit $?"; cat "$OUT/bench_target.md"
     ;;
 ncu)
-    for phase in step verify; do
-        timeout 200 "$NCU" --clock-control none --cache-control none --profile-from-start off --graph-profiling node \
-            --metrics gpu__time_duration.sum --csv --print-units base --log-file "$OUT/ncu-$phase.csv" \
-            out/bin/bench-draft --device cuda --dtype bf16 --layouts 7c --weights bf16 --reps 2 --warmup 3 \
-            --context 512 --profile "$phase" > /dev/null 2> "$OUT/ncu-$phase.log"
-        echo "ncu $phase exit $?"; python3 benches/ncu_layer.py "$OUT/ncu-$phase.csv" "$phase" | tee -a "$OUT/ncu.md"
-    done
+    ncu_step_verify
     timeout 100 "$NCU" --clock-control none --cache-control none --graph-profiling node -k regex:tick_kernel \
         --launch-count 10 --metrics gpu__time_duration.sum --csv --print-units base --log-file "$OUT/ncu-tick.csv" \
         out/bin/bench-kernels --device cuda --floor --floor-cubes 528 > /dev/null 2>&1
