@@ -438,6 +438,20 @@ mod tests {
                     got[r]
                 );
             }
+            // The readback form: the tokens as f32 (the negative one too), then these logits.
+            let packed = crate::tokens_and_confidence_logits(
+                hidden.clone(),
+                markov.then_some(&table),
+                ids(&anchors),
+                ids(&tokens),
+                &weight,
+                -0.125,
+            );
+            assert_eq!(packed.dtype(), DType::F32);
+            let packed = packed.into_data().try_to_vec::<f32>().expect("f32");
+            let mut expect: Vec<f32> = tokens.iter().map(|&id| id as f32).collect();
+            expect.extend(&got);
+            assert_eq!(packed, expect, "markov {markov}: tokens then logits");
         }
     }
 
