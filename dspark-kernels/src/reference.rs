@@ -413,15 +413,13 @@ mod tests {
         let weight = Tensor::<1>::from_data(TensorData::new(w.clone(), [hd + rank]), &device);
         let ids = |v: &Vec<i64>| Tensor::<1, Int>::from_data(TensorData::new(v.clone(), [v.len()]), &device);
         let prev = [4usize, 2, 0, 1, 0, 0];
+        type Logits =
+            fn(Tensor<2>, Option<&Tensor<2>>, Tensor<1, Int>, Tensor<1, Int>, &Tensor<1>, f32) -> Tensor<1>;
         for markov in [true, false] {
-            let got = confidence_logits(
-                hidden.clone(),
-                markov.then_some(&table),
-                ids(&anchors),
-                ids(&tokens),
-                &weight,
-                -0.125,
-            );
+            let run = |f: Logits| {
+                f(hidden.clone(), markov.then_some(&table), ids(&anchors), ids(&tokens), &weight, -0.125)
+            };
+            let got = run(confidence_logits);
             assert_eq!(got.dtype(), DType::F32);
             let got = got.into_data().try_to_vec::<f32>().expect("f32");
             for r in 0..rows {
@@ -439,14 +437,7 @@ mod tests {
                 );
             }
             // The readback form: the tokens as f32 (the negative one too), then these logits.
-            let packed = crate::tokens_and_confidence_logits(
-                hidden.clone(),
-                markov.then_some(&table),
-                ids(&anchors),
-                ids(&tokens),
-                &weight,
-                -0.125,
-            );
+            let packed = run(crate::tokens_and_confidence_logits);
             assert_eq!(packed.dtype(), DType::F32);
             let packed = packed.into_data().try_to_vec::<f32>().expect("f32");
             let mut expect: Vec<f32> = tokens.iter().map(|&id| id as f32).collect();
