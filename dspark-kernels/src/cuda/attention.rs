@@ -307,6 +307,73 @@ fn bf16_bits(x: f32) -> u32 {
     (b + 0x7FFFu32 + ((b >> 16u32) & 1u32)) >> 16u32
 }
 
+/// `bytes` (16, or 0 for sixteen zero bytes) from global `src` to shared `dst` with `cp.async`:
+/// the copy does not pass through registers, so a block's rows can be in flight while the
+/// previous block is multiplied without holding them in the threads' registers (which took the
+/// tensor-core kernel from 168 to 246 registers, two cubes an SM instead of three). Both
+/// addresses 16-byte aligned; complete after [`copies_commit`] and [`copies_wait`].
+#[cube]
+fn copy_16<S: CubePrimitive, D: CubePrimitive>(src: *const S, dst: *const D, bytes: u32) {
+    let smem = cubecl_cpp::cuda::ptx::generic_to_shared::<D>(dst);
+    gpu_asm!("cp.async.cg.shared.global [{}], [{}], 16, {};", in(_) smem, in(_) src, in(_) bytes);
+}
+
+/// Closes this thread's group of [`copy_16`] copies issued since the last one.
+#[cube]
+fn copies_commit() {
+    gpu_asm!("cp.async.commit_group;");
+}
+
+/// Waits until at most `pending` of this thread's committed copy groups are still in flight
+/// (the others' bytes are then in shared memory; a barrier makes them every thread's).
+#[cube]
+fn copies_wait(#[comptime] pending: u32) {
+    gpu_asm!("cp.async.wait_group {n};", n = const pending);
+}
+
+/// Starts copying a quarter (`tq`) of the K and V rows of pool row `phys` into slot `tkey` of
+/// staging buffer `buf` (zeros when `valid` is false: a key past the pass's end).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn stage_key(
+    k: &[Words],
+    v: &[Words],
+    ks: &mut [Words],
+    vs: &mut [u32],
+    phys: usize,
+    valid: bool,
+    kvh: usize,
+    kv_heads: usize,
+    tkey: usize,
+    tq: usize,
+    buf: usize,
+    #[comptime] head_dim: usize,
+) {
+    let words = head_dim / 8;
+    // Immutable: an asm operand must be a value, not a local's address.
+    let bytes = select(valid, 16u32, 0u32);
+    #[unroll]
+    for i in 0..head_dim / 32 {
+        let at = (phys * kv_heads + kvh) * words + i * 4 + tq;
+        let kd = (buf * KEY_BLOCK + tkey) * KS_STRIDE + i * 4 + tq;
+        let vd = (buf * KEY_BLOCK + tkey) * VS_STRIDE + (i * 4 + tq) * 4;
+        // SAFETY: `at` is a word of pool row `phys` (< pool rows: the caller's tables, or 0),
+        // `kd` and `vd` start 16-byte words inside the two staging buffers.
+        unsafe {
+            copy_16::<Words, Words>(
+                k.slice(at, at + 1).as_ptr_unchecked(),
+                ks.slice(kd, kd + 1).as_ptr_unchecked(),
+                bytes,
+            );
+            copy_16::<Words, u32>(
+                v.slice(at, at + 1).as_ptr_unchecked(),
+                vs.slice(vd, vd + 4).as_ptr_unchecked(),
+                bytes,
+            );
+        }
+    }
+}
+
 /// The split kernel on tensor cores: one cube serves up to [`MMA_ROWS`] (query row, head)
 /// pairs of one K/V head and one split, so each key of the split is read once for all of them
 /// instead of once per pair.
@@ -315,8 +382,11 @@ fn bf16_bits(x: f32) -> u32 {
 /// The cube's rows are `per_cube` consecutive rows of a group of `group` rows (a lane's
 /// verify window or draft block, as the caller says); its pairs are `m = row · groups + head`,
 /// 16 per warp, the `M` side of `mma.sync.m16n8k16` (bf16 operands, f32 accumulators). The
-/// cube's four warps stage each block of [`KEY_BLOCK`] keys (K and V rows, 16-byte loads) in
-/// shared memory once, the next block's rows in flight while this one is multiplied. On a
+/// cube's four warps stage each block of [`KEY_BLOCK`] keys (K and V rows, 16-byte `cp.async`
+/// copies) in shared memory once, the next block's rows in flight into a second buffer while
+/// this one is multiplied: the copies hold no registers, so the kernel keeps to 168 a thread
+/// and three cubes fit an SM (a 17-row window's two cubes per head and split then run in one
+/// wave at 512 keys). On a
 /// block a warp forms `S = q·Kᵀ` (keys on the `N` side; each lane takes 16 bytes of one key per
 /// 32 dimensions and of each of its two pairs' q, split over two mma steps exactly as the
 /// skinny GEMM splits weights and activations), masks and scales it, updates its pairs'
@@ -407,8 +477,9 @@ fn paged_attention_mma_kernel(
     let neg_inf = f32::new(f32::NEG_INFINITY);
     let zero = Words::new(0u32);
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
-    let mut ks = Shared::<[Words]>::new_slice(KEY_BLOCK * KS_STRIDE);
-    let mut vs = Shared::<[u32]>::new_slice(KEY_BLOCK * VS_STRIDE);
+    // Two staging buffers: a block is multiplied from one while the next is copied into the other.
+    let mut ks = Shared::<[Words]>::new_slice(2 * KEY_BLOCK * KS_STRIDE);
+    let mut vs = Shared::<[u32]>::new_slice(2 * KEY_BLOCK * VS_STRIDE);
 
     // The cube's rows' tables in shared memory (local row `i` is launch row `lo + i`): first
     // key, key count, the first row with the same (first key, chunk) (its pass's leader), and
@@ -516,13 +587,12 @@ fn paged_attention_mma_kernel(
             }
 
             // 2. The pass's keys in blocks of KEY_BLOCK, staged in shared memory by the whole
-            //    cube: thread `id` fetches a quarter of key `id / 4`'s K and V rows. The next
-            //    block's page-table entry is read a block ahead and its rows are requested
-            //    before the current block is multiplied. Keys past `end` are zero.
+            //    cube: thread `id` copies a quarter of key `id / 4`'s K and V rows (`cp.async`,
+            //    two buffers). The next block's copies are issued before the current block is
+            //    multiplied, its page-table entry a block earlier still. Keys past `end` are
+            //    zero.
             let tkey = id / 4;
             let tq = id % 4;
-            let mut kreg = Array::<Words>::new(chunks);
-            let mut vreg = Array::<Words>::new(chunks);
             let mut phys = 0usize;
             if start + tkey < end {
                 phys = keys[first + start + tkey] as usize;
@@ -531,47 +601,57 @@ fn paged_attention_mma_kernel(
             if start + KEY_BLOCK + tkey < end {
                 next_phys = keys[first + start + KEY_BLOCK + tkey] as usize;
             }
-            #[unroll]
-            for i in 0..chunks {
-                kreg[i] = zero;
-                vreg[i] = zero;
-                if start + tkey < end {
-                    let at = (phys * kv_heads + kvh) * words + i * 4 + tq;
-                    kreg[i] = k[at];
-                    vreg[i] = v[at];
-                }
-            }
+            // (The previous pass's last block is no longer read from buffer 0: every pass ends
+            // with a barrier before its stores.)
+            stage_key(
+                k,
+                v,
+                &mut ks,
+                &mut vs,
+                phys,
+                start + tkey < end,
+                kvh,
+                kv_heads,
+                tkey,
+                tq,
+                0usize,
+                head_dim,
+            );
+            copies_commit();
             let mut kb = start;
+            let mut buf = 0usize;
             while kb < end {
-                sync_cube();
-                #[unroll]
-                for i in 0..chunks {
-                    ks[tkey * KS_STRIDE + i * 4 + tq] = kreg[i];
-                    let vw = vreg[i];
-                    #[unroll]
-                    for e in 0..4usize {
-                        vs[tkey * VS_STRIDE + (i * 4 + tq) * 4 + e] = vw.extract(e);
-                    }
-                }
+                // Every warp is done with the other buffer (the block before this one).
                 sync_cube();
                 if kb + KEY_BLOCK < end {
                     let key = kb + KEY_BLOCK + tkey;
-                    phys = next_phys;
-                    #[unroll]
-                    for i in 0..chunks {
-                        kreg[i] = zero;
-                        vreg[i] = zero;
-                        if key < end {
-                            let at = (phys * kv_heads + kvh) * words + i * 4 + tq;
-                            kreg[i] = k[at];
-                            vreg[i] = v[at];
-                        }
-                    }
+                    stage_key(
+                        k,
+                        v,
+                        &mut ks,
+                        &mut vs,
+                        next_phys,
+                        key < end,
+                        kvh,
+                        kv_heads,
+                        tkey,
+                        tq,
+                        1 - buf,
+                        head_dim,
+                    );
+                    copies_commit();
                     next_phys = 0usize;
                     if key + KEY_BLOCK < end {
                         next_phys = keys[first + key + KEY_BLOCK] as usize;
                     }
+                    copies_wait(1u32);
+                } else {
+                    copies_wait(0u32);
                 }
+                // This block's rows are in shared memory for every thread.
+                sync_cube();
+                let kbase = buf * KEY_BLOCK * KS_STRIDE;
+                let vbase = buf * KEY_BLOCK * VS_STRIDE;
 
                 // A warp whose tile holds none of the cube's rows only stages.
                 if warp * 16 < (hi - lo) * groups {
@@ -584,7 +664,7 @@ fn paged_attention_mma_kernel(
                         acc[0] = Vector::<f32, Const<4>>::new(0.0f32);
                         #[unroll]
                         for c in 0..chunks {
-                            let kword = ks[(nt * 8 + g) * KS_STRIDE + c * 4 + t];
+                            let kword = ks[kbase + (nt * 8 + g) * KS_STRIDE + c * 4 + t];
                             #[unroll]
                             for st in 0..2usize {
                                 let mut a_words = Words::new(0u32);
@@ -716,10 +796,10 @@ fn paged_attention_mma_kernel(
                         for nd in 0..head_dim / 8 {
                             let col = (nd * 8 + g) / 2;
                             let shift = u32::cast_from(g % 2) * 16u32;
-                            let v0 = (vs[key0 * VS_STRIDE + col] >> shift) & 0xFFFFu32;
-                            let v1 = (vs[(key0 + 1) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
-                            let v8 = (vs[(key0 + 8) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
-                            let v9 = (vs[(key0 + 9) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v0 = (vs[vbase + key0 * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v1 = (vs[vbase + (key0 + 1) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v8 = (vs[vbase + (key0 + 8) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
+                            let v9 = (vs[vbase + (key0 + 9) * VS_STRIDE + col] >> shift) & 0xFFFFu32;
                             let mut b_words = Vector::<u32, Const<2>>::new(0u32);
                             b_words.insert(0usize, v0 | (v1 << 16u32));
                             b_words.insert(1usize, v8 | (v9 << 16u32));
@@ -734,9 +814,14 @@ fn paged_attention_mma_kernel(
                     }
                 }
                 kb += KEY_BLOCK;
+                buf = 1 - buf;
             }
 
-            // 7. Each pair's split state, in the layout `combine_kernel` reads.
+            // 7. Each pair's split state, in the layout `combine_kernel` reads. The barrier first:
+            //    the next pass may stage into the buffers as soon as every warp is past it (and
+            //    with it here the compiler keeps the kernel at 168 registers, three cubes an SM,
+            //    instead of 183 with the wide stores).
+            sync_cube();
             if wide {
                 // 16 bytes per store: lanes t and t ^ 1 (same pairs) swap halves, so that for
                 // each two 8-wide column tiles the even lane stores four dimensions of the first
