@@ -19,14 +19,8 @@ PHASE=${1:-check}
 
 case "$PHASE" in
 check)
-    timeout 150 out/bin/gpu_kernels --test-threads=1 --nocapture paged_attention_matches_reference \
-        > "$OUT/gpu_kernels.log" 2>&1
-    echo "gpu_kernels exit $?"
-    grep -E "^test |test result|panicked|rel err" "$OUT/gpu_kernels.log" | cut -c1-200
-    timeout 330 out/bin/gpu_golden --test-threads=1 --nocapture batch_invariant trained_pair_greedy \
-        qwen3_8b_shapes_recorded > "$OUT/gpu_golden.log" 2>&1
-    echo "gpu_golden exit $?"
-    grep -E "^test |test result|panicked|tau|differ|lossless" "$OUT/gpu_golden.log" | cut -c1-200
+    gpu_test gpu_kernels 150 gpu_kernels.log paged_attention_matches_reference
+    gpu_test gpu_golden 330 gpu_golden.log batch_invariant trained_pair_greedy qwen3_8b_shapes_recorded
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     timeout 90 "$NCU" --clock-control none --cache-control none --profile-from-start off --graph-profiling node \
         -k regex:paged_attention --launch-count 2 --section LaunchStats --section Occupancy \
@@ -38,18 +32,10 @@ check)
     ;;
 bench)
     for bin in bench-target-old bench-target bench-target-old bench-target; do
-        n=$((${n:-0} + 1))
-        timeout 120 out/bin/$bin --device cuda --dtype bf16 --lanes 1,16,64 --context 512 --steps 20 \
-            --windows 8,16,17 > "$OUT/$n-$bin.md" 2> "$OUT/$n-$bin.log"
-        echo "$bin exit $?"
-        grep -E "^\| cuda" "$OUT/$n-$bin.md" | cut -c1-200
+        gpu_bench $bin 120 --device cuda --dtype bf16 --lanes 1,16,64 --context 512 --steps 20 --windows 8,16,17
     done
     for bin in bench-draft-old bench-draft; do
-        n=$((n + 1))
-        timeout 150 out/bin/$bin --layouts 7c,16 --weights fp8h,bf16 --reps 20 --context 512 \
-            > "$OUT/$n-$bin.md" 2> "$OUT/$n-$bin.log"
-        echo "$bin exit $?"
-        grep -E "^\| cuda" "$OUT/$n-$bin.md" | cut -c1-260
+        gpu_bench $bin 150 --layouts 7c,16 --weights fp8h,bf16 --reps 20 --context 512
     done
     ;;
 *)

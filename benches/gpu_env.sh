@@ -31,3 +31,26 @@ ncu_step_verify() {
         echo "ncu $phase exit $?"; python3 benches/ncu_layer.py "$OUT/ncu-$phase.csv" "$phase" | tee -a "$OUT/ncu.md"
     done
 }
+
+# Runs a carried test binary ($1) on one thread with the given test filters ($4 …) under a time
+# limit ($2 s), its output in $OUT/$3, and prints its exit status and the lines that say what
+# happened (tests, results, panics, errors, τ, divergences).
+gpu_test() {
+    local bin=$1 limit=$2 log=$3
+    shift 3
+    timeout "$limit" "out/bin/$bin" --test-threads=1 --nocapture "$@" > "$OUT/$log" 2>&1
+    echo "$bin exit $?"
+    grep -E "^test |test result|panicked|rel err|tau|differ|lossless|divergence" "$OUT/$log" | cut -c1-200
+}
+
+# Runs a carried bench binary ($1) with its arguments ($3 …) under a time limit ($2 s), its table
+# in $OUT/N-$1.md (N counts the runs of the calling script, so interleaved runs keep their
+# order) and its log beside it, and prints its exit status and the table's rows.
+gpu_bench() {
+    local bin=$1 limit=$2
+    shift 2
+    GPU_BENCH_RUNS=$((${GPU_BENCH_RUNS:-0} + 1))
+    timeout "$limit" "out/bin/$bin" "$@" > "$OUT/$GPU_BENCH_RUNS-$bin.md" 2> "$OUT/$GPU_BENCH_RUNS-$bin.log"
+    echo "$bin exit $?"
+    grep -E "^\| cuda" "$OUT/$GPU_BENCH_RUNS-$bin.md" | cut -c1-260
+}
