@@ -478,6 +478,8 @@ fn paged_attention_mma_kernel(
     let zero = Words::new(0u32);
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     // Two staging buffers: a block is multiplied from one while the next is copied into the other.
+    // `cp.async` needs 16-byte aligned slots: `vs` follows `ks`, whose length is in 16-byte words
+    // (and every `vs` slot starts at a multiple of four words, `VS_STRIDE` being one too).
     let mut ks = Shared::<[Words]>::new_slice(2 * KEY_BLOCK * KS_STRIDE);
     let mut vs = Shared::<[u32]>::new_slice(2 * KEY_BLOCK * VS_STRIDE);
 
