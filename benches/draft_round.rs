@@ -146,8 +146,9 @@ struct Args {
     /// two launches (`on`, the library's default: the W2 product's argmax epilogue, then the
     /// pick) or four (`off`: gather, product, two argmax passes; the weights column then reads
     /// e.g. `fp8h, unfused Markov`), for an A/B (`dspark_kernels::set_fused_markov`: the same
-    /// tokens). Only the greedy columns take it.
-    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
+    /// tokens); `loop` runs the steps as one launch (`dspark_kernels::set_markov_loop`;
+    /// the weights column reads e.g. `fp8h, one-launch Markov`). Only the greedy columns take it.
+    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off", "loop"])]
     fused_markov: Vec<String>,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
@@ -481,10 +482,15 @@ fn main() -> dspark::Result<()> {
                 }
             };
             dspark_kernels::set_parallel_draws(draws == "on");
-            dspark_kernels::set_fused_markov(fused == "on");
+            dspark_kernels::set_fused_markov(fused != "off");
+            dspark_kernels::set_markov_loop(fused == "loop");
             let weights =
                 if draws == "off" { format!("{base_label}, serial draws") } else { base_label.clone() };
-            let weights = if fused == "off" { format!("{weights}, unfused Markov") } else { weights };
+            let weights = match fused.as_str() {
+                "off" => format!("{weights}, unfused Markov"),
+                "loop" => format!("{weights}, one-launch Markov"),
+                _ => weights,
+            };
             // Either call also drops the draft's recorded graphs, so the draw walk just set is
             // the one its rounds record.
             let weights = if confidence && head_on == "host" {

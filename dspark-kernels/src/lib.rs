@@ -28,6 +28,7 @@ static CONFIDENCE_KERNEL: AtomicBool = AtomicBool::new(true);
 static FP8_SWIGLU: AtomicBool = AtomicBool::new(true);
 static PARALLEL_DRAWS: AtomicBool = AtomicBool::new(true);
 static FUSED_MARKOV: AtomicBool = AtomicBool::new(true);
+static MARKOV_LOOP: AtomicBool = AtomicBool::new(false);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -147,6 +148,23 @@ pub fn set_fused_markov(enabled: bool) {
 #[doc(hidden)]
 pub fn fused_markov() -> bool {
     FUSED_MARKOV.load(Ordering::Relaxed)
+}
+
+/// Let the fused greedy Markov steps (see [`set_fused_markov`]) with a W2 of rank at most 256
+/// (bf16 or FP8) and at most 8 lanes run as one launch: a cube per SM for the whole loop, much of
+/// W2 kept in shared memory after the first step, a grid barrier between steps
+/// (`cuda::markov_loop`). The same tokens bit for bit (`gpu_kernels
+/// markov_greedy_matches_unfused`). Off by default until measured on the GPU machine. For A/B
+/// benchmarks; process-wide.
+#[doc(hidden)]
+pub fn set_markov_loop(enabled: bool) {
+    MARKOV_LOOP.store(enabled, Ordering::Relaxed);
+}
+
+/// Whether greedy Markov steps run as one launch (see [`set_markov_loop`]).
+#[doc(hidden)]
+pub fn markov_loop() -> bool {
+    MARKOV_LOOP.load(Ordering::Relaxed)
 }
 
 /// Whether [`int_view`] shares buffers (see [`set_int_views`]).

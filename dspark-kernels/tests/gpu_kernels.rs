@@ -1946,11 +1946,14 @@ fn markov_greedy_matches_unfused() {
             let w2s = [("bf16", MarkovW2::Dense(&w2)), ("FP8 per row", MarkovW2::Fp8(&per_row))];
             let w2s = w2s.into_iter().chain([("FP8 blocks", MarkovW2::Fp8(&blocks.m))]);
             for (name, w) in w2s {
-                let run = |fused: bool| {
+                let run = |fused: bool, one_launch: bool| {
                     dspark_kernels::set_fused_markov(fused);
-                    // The fused call's one buffer (tokens, slots, gathered rows) in bf16.
+                    dspark_kernels::set_markov_loop(one_launch);
+                    // The fused call's one buffer (tokens, slots, gathered rows; for the loop
+                    // a set of slots a step) in bf16.
                     let slots_at = (lanes * gamma).next_multiple_of(32);
-                    poison(2 * ((slots_at + 1024 * lanes).next_multiple_of(4) + lanes * rank / 2), &device);
+                    let two_launch = (slots_at + 1024 * lanes).next_multiple_of(4) + lanes * rank / 2;
+                    poison(2 * two_launch.max(slots_at + 1024 * lanes * gamma + 2), &device);
                     ids(dspark_kernels::markov_greedy(
                         anchors.clone(),
                         &w1,
@@ -1965,12 +1968,22 @@ fn markov_greedy_matches_unfused() {
                     dspark_kernels::markov_greedy_fuses(&anchors, &w1, &base, w, &table, to_target.as_ref()),
                     "the fused path must take these inputs"
                 );
-                let (want, got) = (run(false), run(true));
-                // Back to the default for the tests after this one.
+                let (want, got) = (run(false, false), run(true, false));
+                // The one-launch loop (at most 8 lanes), then a second call of it: the first
+                // leaves its slots and counters behind in a freed buffer.
+                let one_launch = lanes <= 8;
+                let looped = one_launch.then(|| (run(true, true), run(true, true)));
+                // Back to the defaults for the tests after this one.
                 dspark_kernels::set_fused_markov(true);
+                dspark_kernels::set_markov_loop(false);
                 let what =
                     format!("rank {rank} width {width} lanes {lanes} γ {gamma} {name} mapped {mapped}");
                 assert_eq!(got, want, "{what}: fused tokens differ from the unfused loop");
+                if let Some((first, second)) = &looped {
+                    assert_eq!(first, &want, "{what}: one-launch loop's tokens differ from the unfused loop");
+                    assert_eq!(second, &want, "{what}: a second one-launch loop's tokens differ");
+                    println!("markov_greedy {what}: one-launch loop = unfused (twice)");
+                }
                 if name != "FP8 blocks" {
                     for k in (0..gamma).step_by(2) {
                         assert_eq!(got[k], token_of(c1), "{what}: step {k} of lane 0 breaks the tie low");

@@ -48,13 +48,13 @@ type Words = Vector<u32, Const<4>>;
 
 /// Columns `(k, k+1)` of a word in kernel order, as a bf16 pair scaled by 2⁻¹²⁰.
 #[cube]
-fn even_pair(w: u32) -> u32 {
+pub(crate) fn even_pair(w: u32) -> u32 {
     ((w & 0x007F_007Fu32) << 4u32) | ((w & 0x0080_0080u32) << 8u32)
 }
 
 /// Columns `(k+2, k+3)` of a word in kernel order, as a bf16 pair scaled by 2⁻¹²⁰.
 #[cube]
-fn odd_pair(w: u32) -> u32 {
+pub(crate) fn odd_pair(w: u32) -> u32 {
     ((w >> 4u32) & 0x07F0_07F0u32) | (w & 0x8000_8000u32)
 }
 

@@ -136,6 +136,43 @@ fn launch(
     let [w1_rows, rank] = [w1.meta.shape()[0], w1.meta.shape()[1]];
     let [table_rows, rank_words] = [table.meta.shape()[0], rank / 2];
     let client = base.client.clone();
+    let (dense, w2_handle) = match &w2 {
+        W2::Dense(w) => (true, &w.handle),
+        W2::Fp8 { words, .. } => (false, &words.handle),
+    };
+    if crate::markov_loop()
+        && super::markov_loop::loop_fits(lanes, width)
+        // The loop reads W1, table and W2 rows as 16-byte words.
+        && [&w1.handle, &table.handle, w2_handle].iter().all(|h| h.offset_start.unwrap_or(0).is_multiple_of(16))
+        && let Some(shape) = super::markov_loop::LoopShape::new(dense, rank)
+    {
+        // One buffer: the tokens (`lanes · γ` i32), then from a 128-byte boundary a set of
+        // slots a step and lane (u64, a cache line apart), then the barrier's two counters.
+        let slots_at = (lanes * gamma).next_multiple_of(2 * SLOT_STRIDE);
+        let sync_at = slots_at + 2 * gamma * lanes * MARKOV_SLOTS * SLOT_STRIDE;
+        let all = burn_cubecl::ops::numeric::empty_device_contiguous_dtype(
+            client.clone(),
+            base.device.clone(),
+            [sync_at + 2].into(),
+            DType::I32,
+        );
+        let loop_w2 = match &w2 {
+            W2::Dense(w) => super::markov_loop::LoopW2::Dense(w),
+            W2::Fp8 { words, scales, blocked } => {
+                super::markov_loop::LoopW2::Fp8 { words, scales, blocked: *blocked }
+            }
+        };
+        super::markov_loop::launch(
+            &anchors, &w1, &table, loop_w2, shape, &base, &to_target, mapped, &all, slots_at, sync_at,
+        );
+        return CubeTensor::new_contiguous(
+            client,
+            base.device.clone(),
+            [lanes, gamma].into(),
+            all.handle,
+            DType::I32,
+        );
+    }
     // One buffer: the tokens (`lanes · γ` i32), the slots (`lanes · MARKOV_SLOTS` u64 a cache
     // line apart, from a 128-byte boundary) and the gathered rows (`lanes · rank` bf16, at a 16-byte boundary: the
     // products load them as 16-byte words), so a recorded round takes one allocation here.

@@ -12,5 +12,6 @@ pub(crate) mod fused;
 pub(crate) mod gemm;
 pub(crate) mod gemm_fp8;
 pub(crate) mod markov;
+pub(crate) mod markov_loop;
 pub mod offline;
 pub(crate) mod sample;

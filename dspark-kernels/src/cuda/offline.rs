@@ -364,6 +364,7 @@ pub fn catalog(models: &[ModelDims]) -> Vec<Result<KernelSource, String>> {
     all.push(super::copy::offline_copy());
     if models.iter().any(|m| m.draft.is_some()) {
         all.extend(super::markov::offline_markov());
+        all.extend(super::markov_loop::offline_markov_loop());
     }
     all
 }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Device calls for the one-launch greedy Markov loop (`dspark_kernels::set_markov_loop`:
+# a cube per SM for all γ steps, most of W2 kept in shared memory after step 0, a grid barrier
+# between steps). Expects prebuilt binaries, xz-compressed, in out/carry (see benches/gpu_env.sh):
+# gpu_kernels and gpu_golden for `check`, bench-draft for `bench`.
+#   check: gpu_kernels `markov_greedy_matches_unfused` (the loop's tokens = the unfused loop's bit
+#          for bit, twice in a row: bf16, FP8 per-row and block-scaled W2, the whole vocabulary and
+#          16 384 mapped ids, rank 256 and 128, 1–8 lanes, planted ties, NaN and a row with no
+#          candidate); then gpu_golden with the switch on: the trained pair's greedy speculative
+#          = target-only with the FP8 drafts' τ unchanged (3.128 / 3.077 / 2.533), and at
+#          Qwen3-8B shapes the FP8 draft lossless on 4 lanes and recorded rounds = op by op.
+#   bench: bench-draft γ = 7c and 16, FP8 + FP8 head, two-launch steps against the loop in one
+#          process, twice (the second with the order reversed), 30 repetitions; then bf16 once.
+# Usage: benches/gpu_loop.sh check|bench|both
+set -uo pipefail
+OUT=${OUT:-out/results}
+PHASE=${1:-check}
+. "$(dirname "$0")/gpu_env.sh"
+
+check() {
+    gpu_test gpu_kernels 200 gpu_kernels-loop.log markov_greedy_matches_unfused
+    grep -E "one-launch" "$OUT/gpu_kernels-loop.log" | cut -c1-160 | head -20
+    DSPARK_GPU_SWITCHES=markov-loop gpu_test gpu_golden 300 gpu_golden-loop.log trained_pair_greedy \
+        trained_pair_fp8 qwen3_8b_shapes_fp8 qwen3_8b_shapes_recorded
+}
+
+bench() {
+    gpu_bench bench-draft 220 --layouts 7c,16 --weights fp8h --fused-markov on,loop --reps 30 --context 512
+    gpu_bench bench-draft 220 --layouts 7c,16 --weights fp8h --fused-markov loop,on --reps 30 --context 512
+    gpu_bench bench-draft 220 --layouts 7c,16 --weights bf16 --fused-markov on,loop --reps 20 --context 512
+}
+
+case "$PHASE" in
+check) check ;;
+bench) bench ;;
+both) check; bench ;;
+*)
+    echo "usage: $0 check|bench|both" >&2
+    exit 2
+    ;;
+esac
