@@ -142,13 +142,13 @@ struct Args {
     /// same draws). Only the sampled columns take it.
     #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off"])]
     parallel_draws: Vec<String>,
-    /// How a greedy Markov step runs on the device, each a table row per layout and weights: as
-    /// two launches (`on`, the library's default: the W2 product's argmax epilogue, then the
-    /// pick) or four (`off`: gather, product, two argmax passes; the weights column then reads
-    /// e.g. `fp8h, unfused Markov`), for an A/B (`dspark_kernels::set_fused_markov`: the same
-    /// tokens); `loop` runs the steps as one launch (`dspark_kernels::set_markov_loop`;
-    /// the weights column reads e.g. `fp8h, one-launch Markov`). Only the greedy columns take it.
-    #[arg(long, value_delimiter = ',', default_value = "on", value_parser = ["on", "off", "loop"])]
+    /// How the greedy Markov steps run on the device, each a table row per layout and weights:
+    /// as one launch for all steps (`loop`, the library's default: `dspark_kernels::
+    /// set_markov_loop`), two a step (`on`: the W2 product's argmax epilogue, then the pick; the
+    /// weights column then reads e.g. `fp8h, two-launch Markov`) or four (`off`: gather, product,
+    /// two argmax passes; `fp8h, unfused Markov`), for an A/B (the same tokens). Only the greedy
+    /// columns take it.
+    #[arg(long, value_delimiter = ',', default_value = "loop", value_parser = ["loop", "on", "off"])]
     fused_markov: Vec<String>,
     /// Run the recorded paths where no graphs run (the CPU): each recorded body on every call,
     /// over the page-table attention path. A smoke test of the recorded rounds, not a timing.
@@ -488,7 +488,7 @@ fn main() -> dspark::Result<()> {
                 if draws == "off" { format!("{base_label}, serial draws") } else { base_label.clone() };
             let weights = match fused.as_str() {
                 "off" => format!("{weights}, unfused Markov"),
-                "loop" => format!("{weights}, one-launch Markov"),
+                "on" => format!("{weights}, two-launch Markov"),
                 _ => weights,
             };
             // Either call also drops the draft's recorded graphs, so the draw walk just set is

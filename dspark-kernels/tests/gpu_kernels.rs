@@ -1975,7 +1975,7 @@ fn markov_greedy_matches_unfused() {
                 let looped = one_launch.then(|| (run(true, true), run(true, true)));
                 // Back to the defaults for the tests after this one.
                 dspark_kernels::set_fused_markov(true);
-                dspark_kernels::set_markov_loop(false);
+                dspark_kernels::set_markov_loop(true);
                 let what =
                     format!("rank {rank} width {width} lanes {lanes} γ {gamma} {name} mapped {mapped}");
                 assert_eq!(got, want, "{what}: fused tokens differ from the unfused loop");

@@ -26,8 +26,7 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `dspark_kernels::set_fused_markov`, `markov-loop` / `no-markov-loop` for
 /// `dspark_kernels::set_markov_loop`), so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced. Unset: the library's defaults (every switch
-/// above on but the Markov loop, 1024 norm threads). An unknown name fails the test rather than
-/// being ignored.
+/// above on, 1024 norm threads). An unknown name fails the test rather than being ignored.
 fn staged_switches() {
     let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
     for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
