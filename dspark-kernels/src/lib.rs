@@ -634,6 +634,31 @@ pub fn markov_greedy_fuses(
     }
 }
 
+/// Whether [`markov_greedy`] runs these inputs as the one-launch loop ([`set_markov_loop`] on,
+/// [`markov_greedy_fuses`], at most 8 lanes, a W2 rank the loop takes), for tests that must not
+/// compare the two-launch steps with themselves. (The launch also falls back to the two-launch
+/// steps for rows that do not start on a 16-byte boundary, which uploads never give.)
+#[doc(hidden)]
+pub fn markov_greedy_loops(
+    anchors: &Tensor<1, Int>,
+    w1: &Tensor<2>,
+    base: &Tensor<3>,
+    w2: MarkovW2<'_>,
+    table: &Tensor<2>,
+    to_target: Option<&Tensor<1, Int>>,
+) -> bool {
+    #[cfg(feature = "cuda")]
+    return markov_loop()
+        && markov_greedy_fuses(anchors, w1, base, w2, table, to_target)
+        && cuda::markov_loop::loop_fits(anchors.dims()[0], base.dims()[2])
+        && cuda::markov_loop::LoopShape::new(matches!(w2, MarkovW2::Dense(_)), w1.dims()[1]).is_some();
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (anchors, w1, base, w2, table, to_target);
+        false
+    }
+}
+
 /// The pre-sigmoid logits of a draft's confidence head over its blocks, `c_k = σ(logit)`: for
 /// row `r = lane·γ + k` (`γ = rows / lanes`), `bias + w[.. hd]·hidden[r] + w[hd ..]·table[prev_r]`
 /// with `prev_r` the lane's anchor for `k = 0` and the draft before (`tokens[r − 1]`) after it;

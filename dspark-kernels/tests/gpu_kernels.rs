@@ -1972,6 +1972,12 @@ fn markov_greedy_matches_unfused() {
                 // The one-launch loop (at most 8 lanes), then a second call of it: the first
                 // leaves its slots and counters behind in a freed buffer.
                 let one_launch = lanes <= 8;
+                dspark_kernels::set_markov_loop(true);
+                assert_eq!(
+                    dspark_kernels::markov_greedy_loops(&anchors, &w1, &base, w, &table, to_target.as_ref()),
+                    one_launch,
+                    "the one-launch loop must take these inputs exactly when there are at most 8 lanes"
+                );
                 let looped = one_launch.then(|| (run(true, true), run(true, true)));
                 // Back to the defaults for the tests after this one.
                 dspark_kernels::set_fused_markov(true);
