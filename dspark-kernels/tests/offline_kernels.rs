@@ -13,7 +13,8 @@
 //!
 //! With `DSPARK_OFFLINE_DUMP=DIR`, each variant's CUDA C++ is also written to `DIR/ENTRY.cu`
 //! (its label in a first comment line), for reading what a kernel became, or for comparing the
-//! code of two versions of it.
+//! code of two versions of it, and the sm_90a test writes each cubin to `DIR/ENTRY.cubin`
+//! (`nvdisasm -c DIR/ENTRY.cubin` shows its machine code).
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)]
 
@@ -148,9 +149,17 @@ fn every_kernel_variant_compiles_for_sm90a_without_spills() {
     let mut failures = Vec::new();
     let mut spills = Vec::new();
     println!("{:>4} {:>6} {:>7} {:>7} {:>6}  variant", "regs", "spill", "shared", "cubin", "per SM");
+    // With DSPARK_OFFLINE_DUMP set, each variant's cubin is written there too (read it with
+    // `nvdisasm -c -g`).
+    let dump = std::env::var("DSPARK_OFFLINE_DUMP").ok();
     for (k, result) in all.iter().zip(results) {
         match result {
-            Ok(stats) => {
+            Ok((stats, cubin)) => {
+                if let Some(dir) = &dump {
+                    std::fs::create_dir_all(dir).unwrap();
+                    let name = format!("{}.cubin", k.entrypoint);
+                    std::fs::write(std::path::Path::new(dir).join(name), cubin).unwrap();
+                }
                 let spilled = stats.spill_stores + stats.spill_loads;
                 let per_sm = offline::cubes_per_sm(k.threads, stats.registers, k.shared_bytes);
                 println!(

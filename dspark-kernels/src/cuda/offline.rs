@@ -405,11 +405,15 @@ pub fn nvrtc_available() -> bool {
 }
 
 /// Compiles `kernel` with NVRTC to sm_90a machine code, the target and options the runtime
-/// uses (plus ptxas' verbose report), with `include` as the CUDA header directory when given.
+/// uses (plus ptxas' verbose report), with `include` as the CUDA header directory when given;
+/// returns ptxas' figures and the cubin (for `nvdisasm`, to read the machine code offline).
 ///
 /// # Errors
 /// NVRTC's log when the source does not compile, or a report ptxas did not write.
-pub fn compile_sm90a(kernel: &KernelSource, include: Option<&str>) -> Result<MachineStats, String> {
+pub fn compile_sm90a(
+    kernel: &KernelSource,
+    include: Option<&str>,
+) -> Result<(MachineStats, Vec<u8>), String> {
     use cudarc::nvrtc::{result, sys};
     use std::ffi::{CStr, CString};
     let label = &kernel.label;
@@ -451,7 +455,7 @@ pub fn compile_sm90a(kernel: &KernelSource, include: Option<&str>) -> Result<Mac
             };
             match cubin {
                 Ok(Ok(bytes)) => parse_ptxas(&text, &kernel.entrypoint)
-                    .map(|stats| MachineStats { cubin_bytes: bytes.len(), ..stats })
+                    .map(|stats| (MachineStats { cubin_bytes: bytes.len(), ..stats }, bytes))
                     .ok_or_else(|| format!("{label}: no ptxas report for {} in\n{text}", kernel.entrypoint)),
                 Ok(Err(e)) | Err(e) => Err(format!("{label}: no cubin: {e}")),
             }
