@@ -11,7 +11,10 @@
 #          Qwen3-8B shapes the FP8 draft lossless on 4 lanes and recorded rounds = op by op.
 #   bench: bench-draft γ = 7c and 16, FP8 + FP8 head, two-launch steps against the loop in one
 #          process, twice (the second with the order reversed), 30 repetitions; then bf16 once.
-# Usage: benches/gpu_loop.sh check|bench|both
+#   ncu:   the loop kernel's device time in one γ = 7 proposal (FP8 + FP8 head, then bf16) under
+#          Nsight Compute, for each carried bench-draft* binary (e.g. bench-draft-old built from
+#          the previous version beside bench-draft), one proposal each.
+# Usage: benches/gpu_loop.sh check|bench|ncu|both
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -30,12 +33,30 @@ bench() {
     gpu_bench bench-draft 220 --layouts 7c,16 --weights bf16 --fused-markov on,loop --reps 20 --context 512
 }
 
+ncu_loop() {
+    local ncu bin weights
+    ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+    for bin in out/bin/bench-draft*; do
+        for weights in fp8h bf16; do
+            timeout 150 "$ncu" --clock-control none --profile-from-start off --graph-profiling node \
+                -k regex:markov_loop --metrics gpu__time_duration.sum --csv --print-units base \
+                --log-file "$OUT/ncu-loop-$(basename "$bin")-$weights.csv" "$bin" --device cuda --dtype bf16 \
+                --layouts 7c --weights "$weights" --reps 2 --warmup 3 --context 512 \
+                --profile propose > /dev/null 2>&1
+            echo "ncu $(basename "$bin") $weights exit $?"
+            python3 benches/ncu_summary.py "$OUT/ncu-loop-$(basename "$bin")-$weights.csv" \
+                "$(basename "$bin") $weights" | grep -E "^###|markov"
+        done
+    done
+}
+
 case "$PHASE" in
 check) check ;;
 bench) bench ;;
+ncu) ncu_loop ;;
 both) check; bench ;;
 *)
-    echo "usage: $0 check|bench|both" >&2
+    echo "usage: $0 check|bench|ncu|both" >&2
     exit 2
     ;;
 esac

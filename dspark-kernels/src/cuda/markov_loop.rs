@@ -7,20 +7,25 @@
 //! bf16 for rank 256 over 151 936 tokens) once a step, γ times a round, and each step pays two
 //! launches, a ramp and a tail; on an H100 an FP8 step is some 24 µs of device time
 //! (`benches/results/2026-12-06-h100-markov.md`). Here step 0 reads W2 from memory once, each
-//! warp keeps its first `resident` 16-row blocks in shared memory (192 KiB a cube: about two
-//! thirds of an FP8 W2 over 132 SMs, a third of a bf16 one) and reads the rest again from the L2
+//! cube keeps its first `resident` 16-row blocks in shared memory (224 KiB a cube: 56 of an FP8
+//! W2's 72 blocks a cube over 132 SMs, 28 of a bf16 one's) and reads the rest again from the L2
 //! or memory, and a step ends at a barrier rather than at a launch boundary.
 //!
 //! # How a warp computes a block
-//! Warp `w` of cube `c` takes the 16-row blocks `c · warps + w + i · (cubes · warps)`. For one
+//! Cube `c` takes a contiguous share of the 16-row blocks (`c · n / cubes ..`), so that every
+//! cube, and every scheduler in it, has the same work; its warp `w` takes the share's blocks
+//! `w, w + warps, …`, the last first (past step 0 those come from the L2, and their loads then
+//! meet the step's `W1` gather). The instructions a block costs set a step's length (about 530
+//! a warp for FP8 W2: the decode, 16 `mma`, the epilogue), so the epilogue keeps each lane's
+//! best over all of the warp's blocks and merges across lanes once a step. For one
 //! block it makes each chunk's sum (64 columns of FP8, 32 of bf16) as the product's warp for that
 //! chunk does (the same decode, the same `m16n8k16` steps from zero, the same block scale), and
 //! adds the chunks' sums in chunk order from zero, as that product's epilogue adds its warps'
 //! partials: the same f32 values bit for bit. Those are rounded to bf16, widened and added to the
-//! base logit as in [`argmax_candidate`](super::gemm::argmax_candidate), and each 16-column
-//! block's best (the order-free rule of [`better`]) is merged into the lane's slot for the step by
-//! an atomic max of [`candidate_key`]s, so the winner is the two-launch path's whatever order the
-//! warps finish in (`gpu_kernels markov_greedy_matches_unfused`).
+//! base logit as in [`argmax_candidate`](super::gemm::argmax_candidate), and the warp's best
+//! over its blocks (the order-free rule of [`better`]) is merged into the lane's slot for the
+//! step by an atomic max of [`candidate_key`]s, so the winner is the two-launch path's whatever
+//! order the blocks and warps come in (`gpu_kernels markov_greedy_matches_unfused`).
 //!
 //! # The barrier
 //! After a step's blocks every cube fences its atomics, counts itself in and waits for all
@@ -130,17 +135,27 @@ fn markov_loop_kernel(
     let w_words = chunks * 4;
     let n_blocks = width / 16;
     let cubes = CUBE_COUNT_X as usize;
-    let stride_blocks = cubes * warps;
-    let first = CUBE_POS_X as usize * warps + warp;
+    let cube = CUBE_POS_X as usize;
+    // The cube's blocks: a contiguous share of the grid's (71 or 72 of 9496 on 132 SMs), so that
+    // every cube, and every scheduler in it, has the same work; warp w takes the cube's blocks
+    // w, w + warps, … and the first `resident` of them stay in shared memory after step 0.
+    let lo = cube * n_blocks / cubes;
+    let count = (cube + 1) * n_blocks / cubes - lo;
+    let mut mine = 0usize;
+    if warp < count {
+        mine = (count - warp).div_ceil(warps);
+    }
+    // The warp's slot in a step's set: its atomics meet those of 1 in 32 warps.
+    let slot_of = (cube * warps + warp) % MARKOV_SLOTS;
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
     let zero = Words::new(0u32);
     let zero4 = Vector::<f32, Const<4>>::new(0.0f32);
 
-    // A warp's resident blocks: block i's words for lane l at `((warp · resident + i) · 2 ·
-    // chunks + q) · 32 + l`, so that a warp's 16-byte loads are contiguous.
-    let mut kept = Shared::<[Words]>::new_slice(comptime![warps * resident.max(1) * 2 * chunks * 32]);
+    // The resident blocks: block j's words for lane l at `(j · 2 · chunks + q) · 32 + l`, so
+    // that a warp's 16-byte loads are contiguous.
+    let mut kept = Shared::<[Words]>::new_slice(comptime![resident.max(1) * 2 * chunks * 32]);
     // Each lane's row for this step: its anchor, then its token's index.
     let mut picked = Shared::<[u32]>::new_slice(LOOP_MAX_LANES);
     if warp == 0 && lane < rows {
@@ -172,9 +187,20 @@ fn markov_loop_kernel(
             }
         }
 
-        let mut i = 0usize;
-        let mut b = first;
-        while b < n_blocks {
+        // This lane's best of the step for its rows 2t and 2t + 1 over all the warp's blocks
+        // (the order-free rule of `better`: the warp's blocks may come in any order).
+        let mut best_v = Array::<f32>::new(2usize);
+        let mut best_i = Array::<u32>::new(2usize);
+        #[unroll]
+        for r in 0..2usize {
+            best_v[r] = f32::new(f32::NEG_INFINITY);
+            best_i[r] = 0xFFFF_FFFFu32;
+        }
+        // The last blocks first: past step 0 those are the ones read from the L2 or memory, whose
+        // latency the other warps' resident blocks then cover.
+        for m in 0..mine {
+            let j = warp + (mine - 1 - m) * warps;
+            let b = lo + j;
             // The base logits of this lane's four outputs: rows 2t, 2t+1 × columns g, g+8.
             let mut pre = Array::<f32>::new(4usize);
             #[unroll]
@@ -189,20 +215,20 @@ fn markov_loop_kernel(
             }
             // The block's weight words: both 8-row halves of every chunk.
             let mut ws = Array::<Words>::new(comptime![chunks * 2]);
-            let kept_at = (warp * resident + i) * 2 * chunks * 32 + lane;
-            if i < resident && k > 0 {
+            let kept_at = j * 2 * chunks * 32 + lane;
+            if j < resident && k > 0 {
                 #[unroll]
                 for q in 0..2 * chunks {
                     ws[q] = kept[kept_at + q * 32];
                 }
             } else {
-                let lo = (b * 16 + g) * w_words + t;
+                let lo_word = (b * 16 + g) * w_words + t;
                 #[unroll]
                 for c in 0..chunks {
-                    ws[2 * c] = w[lo + c * 4];
-                    ws[2 * c + 1] = w[lo + 8 * w_words + c * 4];
+                    ws[2 * c] = w[lo_word + c * 4];
+                    ws[2 * c + 1] = w[lo_word + 8 * w_words + c * 4];
                 }
-                if i < resident {
+                if j < resident {
                     #[unroll]
                     for q in 0..2 * chunks {
                         kept[kept_at + q * 32] = ws[q];
@@ -266,13 +292,6 @@ fn markov_loop_kernel(
                 }
             }
             // Output e of the lane: activation row 2t + e % 2, weight row g + 8 · (e / 2).
-            let mut best_v = Array::<f32>::new(2usize);
-            let mut best_i = Array::<u32>::new(2usize);
-            #[unroll]
-            for r in 0..2usize {
-                best_v[r] = f32::new(f32::NEG_INFINITY);
-                best_i[r] = 0xFFFF_FFFFu32;
-            }
             #[unroll]
             for e in 0..4usize {
                 let mut sum = 0.0f32;
@@ -294,10 +313,12 @@ fn markov_loop_kernel(
                     }
                 }
             }
-            // The 8 lanes of one t hold a row's 16 columns: merge them, then lane g = 0 merges
-            // the block's best into the row's slot.
-            #[unroll]
-            for r in 0..2usize {
+        }
+        // The 8 lanes of one t hold a row's candidates: merge them, then lane g = 0 merges the
+        // warp's best into the row's slot (rows past `rows` skip the shuffles: a uniform branch).
+        #[unroll]
+        for r in 0..2usize {
+            if r < rows {
                 let mut v = best_v[r];
                 let mut ix = best_i[r];
                 #[unroll]
@@ -309,12 +330,10 @@ fn markov_loop_kernel(
                 }
                 let row = 2 * t + r;
                 if g == 0 && row < rows && ix != 0xFFFF_FFFFu32 {
-                    let slot = ((k * rows + row) * MARKOV_SLOTS + b % MARKOV_SLOTS) * SLOT_STRIDE;
+                    let slot = ((k * rows + row) * MARKOV_SLOTS + slot_of) * SLOT_STRIDE;
                     slots[slot].fetch_max(candidate_key(v, ix));
                 }
             }
-            i += 1;
-            b += stride_blocks;
         }
 
         grid_barrier(sync, (cubes * (k + 1)) as u32);
@@ -378,14 +397,15 @@ impl LoopShape {
         })
     }
 
-    /// The cube count and resident blocks a warp for `n_blocks` 16-row blocks on a device of
+    /// The cube count and resident blocks a cube for `n_blocks` 16-row blocks on a device of
     /// `sms` SMs with `shared` bytes of shared memory a cube.
     pub(crate) fn plan(self, n_blocks: usize, sms: usize, shared: usize) -> (usize, usize) {
         let cubes = n_blocks.div_ceil(self.warps).clamp(1, sms.max(1));
-        let per_warp = n_blocks.div_ceil(cubes * self.warps);
-        // A warp's block: 2 · chunks words a lane; 1 KiB kept for `picked` and the compiler.
-        let block_bytes = self.warps * 2 * self.chunks * 32 * 16;
-        let resident = (shared.saturating_sub(1024) / block_bytes).min(per_warp);
+        let per_cube = n_blocks.div_ceil(cubes);
+        // A block: 2 · chunks words a lane (4 KiB FP8, 8 KiB bf16 at rank 256); 1 KiB kept for
+        // `picked` and the compiler.
+        let block_bytes = 2 * self.chunks * 32 * 16;
+        let resident = (shared.saturating_sub(1024) / block_bytes).min(per_cube);
         (cubes, resident)
     }
 }
