@@ -11,10 +11,14 @@
 #          Qwen3-8B shapes the FP8 draft lossless on 4 lanes and recorded rounds = op by op.
 #   bench: bench-draft γ = 7c and 16, FP8 + FP8 head, two-launch steps against the loop in one
 #          process, twice (the second with the order reversed), 30 repetitions; then bf16 once.
+#   min:   gpu_kernels' loop test and gpu_golden's FP8 tests with the loop on (the 8B-shape FP8
+#          draft lossless on 4 lanes, the trained pair's FP8 drafts greedy equal), then `ncu`.
+#   quick: bench-draft γ = 7c only, FP8 + FP8 head and bf16, two-launch steps against the loop
+#          in one process each, 20 repetitions.
 #   ncu:   the loop kernel's device time in one γ = 7 proposal (FP8 + FP8 head, then bf16) under
 #          Nsight Compute, for each carried bench-draft* binary (e.g. bench-draft-old built from
 #          the previous version beside bench-draft), one proposal each.
-# Usage: benches/gpu_loop.sh check|bench|ncu|both
+# Usage: benches/gpu_loop.sh check|min|bench|quick|ncu|both
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -53,10 +57,19 @@ ncu_loop() {
 case "$PHASE" in
 check) check ;;
 bench) bench ;;
+quick)
+    gpu_bench bench-draft 150 --layouts 7c --weights fp8h --fused-markov on,loop --reps 20 --context 512
+    gpu_bench bench-draft 150 --layouts 7c --weights bf16 --fused-markov on,loop --reps 20 --context 512
+    ;;
 ncu) ncu_loop ;;
+min)
+    gpu_test gpu_kernels 200 gpu_kernels-loop.log markov_greedy_matches_unfused
+    DSPARK_GPU_SWITCHES=markov-loop gpu_test gpu_golden 200 gpu_golden-loop.log trained_pair_fp8 qwen3_8b_shapes_fp8
+    ncu_loop
+    ;;
 both) check; bench ;;
 *)
-    echo "usage: $0 check|bench|ncu|both" >&2
+    echo "usage: $0 check|min|bench|quick|ncu|both" >&2
     exit 2
     ;;
 esac

@@ -154,10 +154,12 @@ pub fn fused_markov() -> bool {
 /// (bf16 or FP8) and at most 8 lanes run as one launch: a cube per SM for the whole loop, much of
 /// W2 kept in shared memory after the first step, a grid barrier between steps
 /// (`cuda::markov_loop`). The same tokens bit for bit (`gpu_kernels
-/// markov_greedy_matches_unfused` and the engine tests, H200, 2026-12-06). On by default: the
-/// Markov part of a γ = 7 FP8 proposal takes 99 µs of device time instead of 158, and greedy
-/// proposals measured 0.03–0.07 ms shorter in four of four pairs
-/// (`benches/results/2026-12-06-h200-loop.md`). For A/B benchmarks; process-wide.
+/// markov_greedy_matches_unfused` and the engine tests, H200 and H100, 2026-12-06). On by
+/// default: the Markov part of a γ = 7 FP8 proposal takes 99 µs of device time instead of 158,
+/// and greedy proposals measured 0.03–0.07 ms shorter in four of four pairs
+/// (`benches/results/2026-12-06-h200-loop.md`); balanced block shares later took the loop
+/// kernel from 103 to 95 µs (FP8) and 193 to 175 µs (bf16) on an H100
+/// (`benches/results/2026-12-06-h100-loop2.md`). For A/B benchmarks; process-wide.
 #[doc(hidden)]
 pub fn set_markov_loop(enabled: bool) {
     MARKOV_LOOP.store(enabled, Ordering::Relaxed);
