@@ -126,6 +126,12 @@ struct Args {
     /// (`dspark_kernels::set_norm_threads`), for an A/B; the column then reads `(norm N threads)`.
     #[arg(long, default_value = "1024", value_parser = ["256", "512", "1024"])]
     norm_threads: String,
+    /// Record graphs with programmatic dependencies between the kernels (`on`: from the kernel
+    /// before's launch-completion port; `trigger`: from its programmatic port) or plain edges
+    /// (`off`, the library's default; `dspark_kernels::set_programmatic_launch`), for an A/B
+    /// across processes; the column then reads `(PDL)` or `(PDL, trigger)`.
+    #[arg(long, default_value = "off", value_parser = ["on", "trigger", "off"])]
+    pdl: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
     /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
     /// (`dspark_kernels::set_tile_padding`).
@@ -302,6 +308,9 @@ fn switches(args: &Args) -> String {
     if args.norm_threads != "1024" {
         label += &format!(" (norm {} threads)", args.norm_threads);
     }
+    if args.pdl != "off" {
+        label += if args.pdl == "trigger" { " (PDL, trigger)" } else { " (PDL)" };
+    }
     if args.pad_tiles == "off" {
         label += " (3 tiles at 17-24 rows)";
     }
@@ -317,6 +326,8 @@ fn main() -> dspark::Result<()> {
     // Both values are among the ones clap accepts, which the setters take.
     dspark_kernels::set_attention_min_chunk(args.attn_min_chunk.parse().unwrap_or(32));
     dspark_kernels::set_norm_threads(args.norm_threads.parse().unwrap_or(1024));
+    dspark_kernels::set_programmatic_launch(args.pdl != "off");
+    dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger");
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {
@@ -675,5 +686,13 @@ fn main() -> dspark::Result<()> {
         }
     }
     let _ = meter.finish(0, &device);
+    if args.pdl != "off" {
+        // Whether the driver took the programmatic edges (the switch turns itself off if not).
+        println!(
+            "\nPDL: {} programmatic edges recorded, still on at the end: {}",
+            dspark_kernels::programmatic_edges(),
+            dspark_kernels::programmatic_launch()
+        );
+    }
     Ok(())
 }

@@ -171,6 +171,56 @@ pub fn markov_loop() -> bool {
     MARKOV_LOOP.load(Ordering::Relaxed)
 }
 
+/// Record graphs with programmatic dependencies between this crate's kernels on Hopper
+/// (`cuda::pdl`): each kernel's cubes are placed while the kernel before it still runs and wait
+/// for it on the device (`griddepcontrol.wait`, the first instruction of every kernel here), so
+/// a replay no longer pays a grid launch at every boundary. Changes when cubes start, never what
+/// they compute. Turn it on before the process launches its first kernel (kernels are built
+/// with the wait only then); it applies to graphs recorded after the call. Off by default until
+/// measured. Returns whether it took (`false` without the `cuda` feature, or when turning it on
+/// after kernels were built without the wait).
+pub fn set_programmatic_launch(enabled: bool) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        cuda::pdl::set_enabled(enabled)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = enabled;
+        false
+    }
+}
+
+/// Take the programmatic edges of [`set_programmatic_launch`] from the kernel before's
+/// programmatic port (its cubes trigger right after their own wait) instead of its
+/// launch-completion port (the default). For A/B benchmarks; graphs recorded from then on.
+#[doc(hidden)]
+pub fn set_programmatic_trigger_port(enabled: bool) {
+    #[cfg(feature = "cuda")]
+    cuda::pdl::set_trigger_port(enabled);
+    #[cfg(not(feature = "cuda"))]
+    let _ = enabled;
+}
+
+/// Programmatic dependencies recorded into graphs by this process so far (see
+/// [`set_programmatic_launch`]): for benchmarks and checks that the switch took effect.
+#[doc(hidden)]
+pub fn programmatic_edges() -> usize {
+    #[cfg(feature = "cuda")]
+    return cuda::pdl::edges();
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+/// Whether graphs are recorded with programmatic dependencies (see [`set_programmatic_launch`];
+/// it turns itself off if the driver refuses one).
+pub fn programmatic_launch() -> bool {
+    #[cfg(feature = "cuda")]
+    return cuda::pdl::enabled();
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
 /// Whether [`int_view`] shares buffers (see [`set_int_views`]).
 #[doc(hidden)]
 pub fn int_views() -> bool {

@@ -24,9 +24,10 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `fp8-swiglu` / `no-fp8-swiglu` for `dspark_kernels::set_fp8_swiglu`, `parallel-draws` /
 /// `serial-draws` for `dspark_kernels::set_parallel_draws`, `fused-markov` / `unfused-markov` for
 /// `dspark_kernels::set_fused_markov`, `markov-loop` / `no-markov-loop` for
-/// `dspark_kernels::set_markov_loop`), so that one build checks a switch either way: before it
+/// `dspark_kernels::set_markov_loop`, `pdl` / `no-pdl` for
+/// `dspark_kernels::set_programmatic_launch`), so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced. Unset: the library's defaults (every switch
-/// above on, 1024 norm threads). An unknown name fails the test rather than being ignored.
+/// above on but programmatic launches, 1024 norm threads). An unknown name fails the test rather than being ignored.
 fn staged_switches() {
     let names = std::env::var("DSPARK_GPU_SWITCHES").unwrap_or_default();
     for name in names.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -45,6 +46,8 @@ fn staged_switches() {
             "unfused-markov" => dspark_kernels::set_fused_markov(false),
             "markov-loop" => dspark_kernels::set_markov_loop(true),
             "no-markov-loop" => dspark_kernels::set_markov_loop(false),
+            "pdl" => assert!(dspark_kernels::set_programmatic_launch(true)),
+            "no-pdl" => assert!(dspark_kernels::set_programmatic_launch(false)),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),

@@ -106,6 +106,7 @@ fn prob(v: f32, i: u32, stats_f: &[f64], stats_u: &[u32], row: usize) -> f64 {
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_lines)]
 fn row_stats_kernel(x: &[f32], params: &[i32], stats_f: &mut [f64], stats_u: &mut [u32], width: u32) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let lane = tid % 32;
@@ -494,6 +495,7 @@ fn accept_tests_kernel(
     width: u32,
     stride: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane_id = CUBE_POS_X as usize;
     if UNIT_POS == 0 {
         let width = width as usize;
@@ -570,6 +572,7 @@ fn draw_partial_kernel(
     width: u32,
     stride: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let seg = CUBE_POS_X as usize;
     let segs = CUBE_COUNT_X as usize;
     let lane_id = CUBE_POS_Y as usize;
@@ -641,6 +644,7 @@ fn draw_walk_kernel(
     stride: u32,
     segs: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane_id = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let lane = tid % 32;
@@ -796,6 +800,7 @@ fn row_stats(
     // (`3·rows`, checked by the caller), and writes entries 3r..3r+3 of `stats_f` and 4r..4r+4 of
     // `stats_u`, both sized for `rows` rows.
     unsafe {
+        super::pdl::before_launch(&client);
         row_stats_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
@@ -860,6 +865,7 @@ fn launch(p: CubeTensor, q: CubeTensor, rows: CubeTensor, lanes: CubeTensor) -> 
     // row; they write `decision[2l..2l+2]`, slot `l·segs + s` of each part, and `out[2l..2l+2]`,
     // all sized for `count` lanes.
     unsafe {
+        super::pdl::before_launch(&client);
         accept_tests_kernel::launch_unchecked(
             &client,
             CubeCount::Static(count as u32, 1, 1),
@@ -875,6 +881,7 @@ fn launch(p: CubeTensor, q: CubeTensor, rows: CubeTensor, lanes: CubeTensor) -> 
             width as u32,
             stride as u32,
         );
+        super::pdl::before_launch(&client);
         draw_partial_kernel::launch_unchecked(
             &client,
             CubeCount::Static(segs as u32, count as u32, 1),
@@ -892,6 +899,7 @@ fn launch(p: CubeTensor, q: CubeTensor, rows: CubeTensor, lanes: CubeTensor) -> 
             width as u32,
             stride as u32,
         );
+        super::pdl::before_launch(&client);
         draw_walk_kernel::launch_unchecked(
             &client,
             CubeCount::Static(count as u32, 1, 1),

@@ -109,6 +109,7 @@ fn paged_attention_split_kernel(
     #[comptime] groups: usize,
     #[comptime] min_chunk: usize,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let local = CUBE_POS_X as usize;
     let row = row0 as usize + local;
     let kvh = CUBE_POS_Y as usize;
@@ -436,6 +437,7 @@ fn paged_attention_mma_kernel(
     #[comptime] wide: bool,
     #[comptime] min_chunk: usize,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -912,6 +914,7 @@ fn combine_kernel(
     #[comptime] head_dim: usize,
     #[comptime] min_chunk: usize,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let local = CUBE_POS_X as usize;
     let row = row0 as usize + local;
     let head = CUBE_POS_Y as usize;
@@ -1073,6 +1076,7 @@ fn launch(
         // stream, so each finds the scratch free.
         unsafe {
             if mma {
+                super::pdl::before_launch(&client);
                 paged_attention_mma_kernel::launch_unchecked(
                     &client,
                     CubeCount::Static(
@@ -1103,6 +1107,7 @@ fn launch(
                     min_chunk,
                 );
             } else {
+                super::pdl::before_launch(&client);
                 paged_attention_split_kernel::launch_unchecked(
                     &client,
                     CubeCount::Static(n as u32, kv_heads as u32, stride as u32),
@@ -1123,6 +1128,7 @@ fn launch(
                     min_chunk,
                 );
             }
+            super::pdl::before_launch(&client);
             combine_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static(n as u32, heads as u32, 1),

@@ -42,6 +42,7 @@ fn confidence_kernel(
     #[comptime] rank: usize,
     #[comptime] with_tokens: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let gamma = gamma as usize;
@@ -176,6 +177,7 @@ fn launch(
     // when `prev < table_rows` (else row 0), `rank` bf16; it writes `out[r]` (`rows` f32), and
     // with `with_tokens` also `out[rows + r]` (`2·rows` f32; the grid's x extent is `rows`).
     unsafe {
+        super::pdl::before_launch(&client);
         confidence_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),

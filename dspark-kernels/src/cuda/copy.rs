@@ -13,6 +13,7 @@ const COPY_THREADS: usize = 256;
 /// `dst[i] = src[i]` for `i < n` (32-bit words).
 #[cube(launch_unchecked)]
 fn copy_words_kernel(src: &[u32], dst: &mut [u32], n: u32) {
+    crate::cuda::pdl::dependency_wait();
     let i = (CUBE_POS_X * COPY_THREADS as u32 + UNIT_POS_X) as usize;
     if i < n as usize {
         dst[i] = src[i];
@@ -29,6 +30,7 @@ fn launch(dst: CubeTensor, src: CubeTensor) -> CubeTensor {
     // `src.len()` elements of the same dtype; the kernel writes words `< words` of it and reads
     // words `< words` of `src`.
     unsafe {
+        super::pdl::before_launch(&client);
         copy_words_kernel::launch_unchecked(
             &client,
             CubeCount::Static(words.div_ceil(COPY_THREADS) as u32, 1, 1),
@@ -108,6 +110,7 @@ impl FreshCopyOps for CubeBackend {
         // SAFETY: `out` is a new contiguous buffer of `x`'s size; the kernel copies `words`
         // 32-bit words (the caller checked the size is a multiple of four bytes).
         unsafe {
+            super::pdl::before_launch(&x.client);
             copy_words_kernel::launch_unchecked(
                 &x.client,
                 CubeCount::Static(words.div_ceil(COPY_THREADS) as u32, 1, 1),

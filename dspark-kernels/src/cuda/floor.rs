@@ -21,6 +21,7 @@ const READ_THREADS: usize = 256;
 /// value, so the loads cannot be dropped and no bandwidth goes to writes.
 #[cube(launch_unchecked)]
 fn stream_read_kernel(src: &[Words], out: &mut [u32], n: u32, #[comptime] unroll: usize) {
+    crate::cuda::pdl::dependency_wait();
     let threads = CUBE_COUNT_X * READ_THREADS as u32;
     let tid = CUBE_POS_X * READ_THREADS as u32 + UNIT_POS_X;
     let mut acc = Words::new(0u32);
@@ -51,6 +52,7 @@ fn stream_read_kernel(src: &[Words], out: &mut [u32], n: u32, #[comptime] unroll
 /// `x[0] += 1` by one thread: a launch that costs only its launch and its ordering.
 #[cube(launch_unchecked)]
 fn tick_kernel(x: &mut [u32]) {
+    crate::cuda::pdl::dependency_wait();
     if UNIT_POS_X == 0 {
         x[0] += 1u32;
     }
@@ -83,6 +85,7 @@ fn read_launch(src: CubeTensor, out: CubeTensor, cubes: usize, unroll: usize) ->
 unsafe fn launch_read<const U: usize>(src: &CubeTensor, out: &CubeTensor, cubes: usize, words: usize) {
     let slots = out.meta.shape().num_elements();
     unsafe {
+        super::pdl::before_launch(&src.client);
         stream_read_kernel::launch_unchecked(
             &src.client,
             CubeCount::Static(cubes as u32, 1, 1),
@@ -99,6 +102,7 @@ fn tick_launch(x: CubeTensor) -> CubeTensor {
     // SAFETY: one thread writes word 0 of `x`, which holds at least one element (checked by the
     // caller).
     unsafe {
+        super::pdl::before_launch(&x.client);
         tick_kernel::launch_unchecked(
             &x.client,
             CubeCount::Static(1, 1, 1),

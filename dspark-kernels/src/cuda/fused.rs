@@ -51,6 +51,7 @@ fn rms_norm_kernel(
     #[comptime] splits: usize,
     #[comptime] threads: usize,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let base = row * d;
@@ -210,6 +211,7 @@ fn qk_norm_rope_kernel(
     inv_hd: f32,
     #[comptime] head_dim: usize,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let head = CUBE_POS_Y as usize;
     let heads = CUBE_COUNT_Y as usize;
@@ -247,6 +249,7 @@ fn qkv_store_kernel(
     #[comptime] head_dim: usize,
     #[comptime] idx_words: usize,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let head = CUBE_POS_Y as usize;
     let lane = UNIT_POS_X as usize;
@@ -291,6 +294,7 @@ fn swiglu_kernel(
     u_off: u32,
     width: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_Y as usize;
     let j = (CUBE_POS_X * CUBE_DIM_X + UNIT_POS_X) as usize;
     let width = width as usize;
@@ -399,6 +403,7 @@ pub(crate) fn launch_norm_from(
     // SAFETY: every bf16 buffer holds `rows·d` elements (`w` holds `d`) and `parts`, when read
     // (`splits > 0`), `splits·rows·d` f32; cube `r` reads and writes row `r` only (of each split).
     unsafe {
+        super::pdl::before_launch(&client);
         rms_norm_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
@@ -442,6 +447,7 @@ fn launch_qk(
     // `offset + h·hd .. offset + (h+1)·hd` (checked above); tables hold `rows·hd`; cube (r, h)
     // writes out[r, h, ..] only.
     unsafe {
+        super::pdl::before_launch(&client);
         qk_norm_rope_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, heads as u32, 1),
@@ -535,6 +541,7 @@ fn launch_qkv_store(
     // `idx_words` words; cube (r, h) writes q[r, h] (h < heads) or one head of pool row idx[r],
     // which the caller keeps below `pool_rows` (the cache hands out only its own rows).
     unsafe {
+        super::pdl::before_launch(&client);
         qkv_store_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, all as u32, 1),
@@ -571,6 +578,7 @@ fn launch_swiglu(g: CubeTensor, u: CubeTensor, g_off: usize, u_off: usize, width
     // SAFETY: reads row r's columns `off .. off + width` of g and u (checked above), writes
     // out[r, ..width].
     unsafe {
+        super::pdl::before_launch(&client);
         swiglu_kernel::launch_unchecked(
             &client,
             CubeCount::Static(width.div_ceil(SWIGLU_THREADS) as u32, rows as u32, 1),
@@ -1042,6 +1050,7 @@ fn segment_best(best_v: f32, best_i: u32, part_v: &mut [f32], part_i: &mut [u32]
 /// result is exact and the same however the row is cut.
 #[cube(launch_unchecked)]
 fn argmax_partial_kernel(x: &[f32], part_v: &mut [f32], part_i: &mut [u32], width: u32) {
+    crate::cuda::pdl::dependency_wait();
     let seg = CUBE_POS_X as usize;
     let segs = CUBE_COUNT_X as usize;
     let row = CUBE_POS_Y as usize;
@@ -1078,6 +1087,7 @@ fn argmax_sum_partial_kernel(
     steps: u32,
     k: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let seg = CUBE_POS_X as usize;
     let segs = CUBE_COUNT_X as usize;
     let row = CUBE_POS_Y as usize;
@@ -1105,6 +1115,7 @@ fn argmax_sum_partial_kernel(
 /// value exceeds −∞), as the host `argmax` of `dspark::sampling` answers.
 #[cube(launch_unchecked)]
 fn argmax_merge_kernel(part_v: &[f32], part_i: &[u32], out: &mut [i32], segs: u32) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let lane = UNIT_POS as usize;
     let segs = segs as usize;
@@ -1204,6 +1215,7 @@ fn launch_argmax_of(input: ArgmaxInput) -> CubeTensor {
     // (With a sum, cube (s, r) reads the same elements of row r of `b` and of row (r, k) of
     // `a`, `rows·steps·width` bf16.)
     unsafe {
+        super::pdl::before_launch(&client);
         match &input {
             ArgmaxInput::Rows(_) => argmax_partial_kernel::launch_unchecked(
                 &client,
@@ -1230,6 +1242,7 @@ fn launch_argmax_of(input: ArgmaxInput) -> CubeTensor {
                 )
             }
         }
+        super::pdl::before_launch(&client);
         argmax_merge_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),

@@ -75,6 +75,7 @@ fn skinny_gemm_kernel(
     #[comptime] mtiles: usize,
     #[comptime] argmax: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -430,6 +431,7 @@ pub(crate) fn load_weight_blocks(
 /// `[splits, len]` f32.
 #[cube(launch_unchecked)]
 pub(crate) fn combine_splits_kernel(parts: &[f32], y: &mut [bf16], len: u32, #[comptime] splits: usize) {
+    crate::cuda::pdl::dependency_wait();
     let i = ABSOLUTE_POS;
     let len = len as usize;
     if i < len {
@@ -458,6 +460,7 @@ pub(crate) fn combine_splits(
     // SAFETY: `parts` holds `splits · len` f32 and `y` at least `len` bf16 from its start; the
     // kernel touches index `i < len` of each split and of `y` only.
     unsafe {
+        super::pdl::before_launch(client);
         combine_splits_kernel::launch_unchecked(
             client,
             CubeCount::Static(len.div_ceil(threads) as u32, 1, 1),
@@ -555,6 +558,7 @@ pub(crate) fn launch_product(x: CubeTensor, w: CubeTensor, defer: bool) -> Produ
         // element units (16-byte words for x and w, bf16 for y, f32 for parts); the kernel reads
         // x rows `< n`, w rows `< out`, and writes y rows `< n` (or parts `[splits, n, out]`).
         unsafe {
+            super::pdl::before_launch(&client);
             skinny_gemm_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, plan.splits as u32, 1),
@@ -637,6 +641,7 @@ pub(crate) fn launch_swiglu(x: CubeTensor, w: CubeTensor) -> CubeTensor {
         // SAFETY: as in `launch_product` (no splits: `parts` is never touched, y's buffer stands
         // in); the epilogue writes y rows `< n` of `half` columns, column `8·block + wr < half`.
         unsafe {
+            super::pdl::before_launch(&client);
             skinny_gemm_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, 1, 1),
@@ -697,6 +702,7 @@ pub(crate) fn launch_argmax_step(
     // caller's `base_len` covers them), slots `rows · MARKOV_SLOTS` u64 (slot `r · MARKOV_SLOTS
     // + b % MARKOV_SLOTS`); y and parts are never touched with `argmax` (x's buffer stands in).
     unsafe {
+        super::pdl::before_launch(client);
         skinny_gemm_kernel::launch_unchecked(
             client,
             CubeCount::Static((out / 16 / mt) as u32, 1, 1),

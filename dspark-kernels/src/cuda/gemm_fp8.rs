@@ -92,6 +92,7 @@ fn fp8_gemm_kernel(
     #[comptime] swiglu: bool,
     #[comptime] argmax: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -367,6 +368,7 @@ pub(crate) fn launch_product(
         // at output columns `< out = n_scales` (per row), and writes y rows `< n` (or parts
         // `[splits, n, out]`).
         unsafe {
+            super::pdl::before_launch(&client);
             fp8_gemm_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, plan.splits as u32, 1),
@@ -457,6 +459,7 @@ fn launch_swiglu(x: CubeTensor, words: CubeTensor, scales: CubeTensor) -> CubeTe
         // (`parts` is never touched: y's buffer stands in); the epilogue writes y rows `< n` of
         // `half` columns, column `8·block + wr < half`.
         unsafe {
+            super::pdl::before_launch(&client);
             fp8_gemm_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static((out / 16 / mt) as u32, 1, 1),
@@ -525,6 +528,7 @@ pub(crate) fn launch_argmax_step(
     // `col < out`, slots `rows · MARKOV_SLOTS` u64; y and parts are never touched with `argmax`
     // (x's buffer stands in).
     unsafe {
+        super::pdl::before_launch(client);
         fp8_gemm_kernel::launch_unchecked(
             client,
             CubeCount::Static((out / 16 / mt) as u32, 1, 1),

@@ -47,6 +47,7 @@ fn markov_start_kernel(
     rank_words: u32,
     w1_rows: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     slots[(row * MARKOV_SLOTS + UNIT_POS as usize) * SLOT_STRIDE].store(0u64);
     let mut anchor = anchors[row];
@@ -73,6 +74,7 @@ fn markov_pick_kernel(
     k: u32,
     #[comptime] mapped: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let lane = UNIT_POS as usize;
     let slot = (row * MARKOV_SLOTS + lane) * SLOT_STRIDE;
@@ -192,6 +194,7 @@ fn launch(
     // `w1_rows` of `w1` (`w1_rows · rank_words` words), clears slot `(row · 32 + unit) · SLOT_STRIDE` (`n_slots`
     // u64) and writes its row of `x` (`lanes · rank_words` words).
     unsafe {
+        super::pdl::before_launch(&client);
         markov_start_kernel::launch_unchecked(
             &client,
             CubeCount::Static(lanes as u32, 1, 1),
@@ -239,6 +242,7 @@ fn launch(
         // it (which reads `x`) and the one after it (which reads the slots) are ordered by the
         // stream.
         unsafe {
+            super::pdl::before_launch(&client);
             markov_pick_kernel::launch_unchecked(
                 &client,
                 CubeCount::Static(lanes as u32, 1, 1),

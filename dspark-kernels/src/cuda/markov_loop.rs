@@ -81,6 +81,7 @@ fn grid_barrier(sync: &[Atomic<u32>], target: u32) {
 /// each), and the arrival and stall counters zeroed.
 #[cube(launch_unchecked)]
 fn markov_loop_clear_kernel(slots: &[Atomic<u64>], sync: &[Atomic<u32>]) {
+    crate::cuda::pdl::dependency_wait();
     let set = CUBE_POS_X as usize;
     slots[(set * MARKOV_SLOTS + UNIT_POS as usize) * SLOT_STRIDE].store(0u64);
     if set == 0 && UNIT_POS < 2 {
@@ -120,6 +121,7 @@ fn markov_loop_kernel(
     #[comptime] blocked: bool,
     #[comptime] mapped: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -459,6 +461,7 @@ pub(crate) fn launch(
     // SAFETY: cube `set < γ · lanes` of 32 units clears slot `(set · 32 + unit) · SLOT_STRIDE`
     // (`n_slots` u64) and cube 0 the two counters.
     unsafe {
+        super::pdl::before_launch(&client);
         markov_loop_clear_kernel::launch_unchecked(
             &client,
             CubeCount::Static((gamma * lanes) as u32, 1, 1),
@@ -474,6 +477,7 @@ pub(crate) fn launch(
     // `to_target` at an index `< width` when `mapped`; `tokens` `lanes · γ` i32; slots `n_slots`
     // u64 and the two counters, all in `all`, disjoint.
     unsafe {
+        super::pdl::before_launch(&client);
         markov_loop_kernel::launch_unchecked(
             &client,
             CubeCount::Static(cubes as u32, 1, 1),

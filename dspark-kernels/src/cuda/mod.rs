@@ -14,4 +14,5 @@ pub(crate) mod gemm_fp8;
 pub(crate) mod markov;
 pub(crate) mod markov_loop;
 pub mod offline;
+pub(crate) mod pdl;
 pub(crate) mod sample;

@@ -357,6 +357,8 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
 /// Every kernel variant `models` launch, expanded and transpiled once each, then the kernels
 /// without comptime arguments.
 pub fn catalog(models: &[ModelDims]) -> Vec<Result<KernelSource, String>> {
+    // Expanded for the H200 these are compiled for: with the wait of programmatic launches.
+    super::pdl::assume_hopper();
     let mut all: Vec<_> = variants(models).iter().flat_map(Variant::transpile).collect();
     all.extend(super::fused::offline_fixed());
     all.extend(super::accept::offline_fixed());

@@ -103,6 +103,7 @@ fn draw_partial_kernel(
     part_s: &mut [f64],
     width: u32,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let seg = CUBE_POS_X as usize;
     let segs = CUBE_COUNT_X as usize;
     let row = CUBE_POS_Y as usize;
@@ -299,6 +300,7 @@ fn draw_merge_kernel(
     segs: u32,
     #[comptime] parallel: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
     let lane = tid % 32;
@@ -555,6 +557,7 @@ fn launch(x: CubeTensor, draws: CubeTensor) -> CubeTensor {
     // each). The second reads row r's slots, row r of x inside one segment, and writes result
     // r. The sections do not overlap and lie within the buffer.
     unsafe {
+        super::pdl::before_launch(&client);
         draw_partial_kernel::launch_unchecked(
             &client,
             CubeCount::Static(segs as u32, rows as u32, 1),
@@ -566,6 +569,7 @@ fn launch(x: CubeTensor, draws: CubeTensor) -> CubeTensor {
             BufferArg::from_raw_parts(part_s.clone(), cand),
             width as u32,
         );
+        super::pdl::before_launch(&client);
         draw_merge_kernel::launch_unchecked(
             &client,
             CubeCount::Static(rows as u32, 1, 1),
