@@ -15,10 +15,12 @@
 #          draft lossless on 4 lanes, the trained pair's FP8 drafts greedy equal), then `ncu`.
 #   quick: bench-draft γ = 7c only, FP8 + FP8 head and bf16, two-launch steps against the loop
 #          in one process each, 20 repetitions.
+#   ab:    bench-draft-old (the previous build) against bench-draft, γ = 7c with the loop, 20
+#          repetitions: FP8 + FP8 head old/new/new/old (so that drift shows), then bf16 old/new.
 #   ncu:   the loop kernel's device time in one γ = 7 proposal (FP8 + FP8 head, then bf16) under
 #          Nsight Compute, for each carried bench-draft* binary (e.g. bench-draft-old built from
 #          the previous version beside bench-draft), one proposal each.
-# Usage: benches/gpu_loop.sh check|min|bench|quick|ncu|both
+# Usage: benches/gpu_loop.sh check|min|bench|quick|ab|ncu|both
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -62,6 +64,14 @@ quick)
     gpu_bench bench-draft 150 --layouts 7c --weights bf16 --fused-markov on,loop --reps 20 --context 512
     ;;
 ncu) ncu_loop ;;
+ab)
+    for bin in bench-draft-old bench-draft bench-draft bench-draft-old; do
+        gpu_bench "$bin" 100 --layouts 7c --weights fp8h --fused-markov loop --reps 20 --context 512
+    done
+    for bin in bench-draft-old bench-draft; do
+        gpu_bench "$bin" 100 --layouts 7c --weights bf16 --fused-markov loop --reps 20 --context 512
+    done
+    ;;
 min)
     gpu_test gpu_kernels 200 gpu_kernels-loop.log markov_greedy_matches_unfused
     DSPARK_GPU_SWITCHES=markov-loop gpu_test gpu_golden 200 gpu_golden-loop.log trained_pair_fp8 qwen3_8b_shapes_fp8
@@ -69,7 +79,7 @@ min)
     ;;
 both) check; bench ;;
 *)
-    echo "usage: $0 check|min|bench|quick|ncu|both" >&2
+    echo "usage: $0 check|min|bench|quick|ab|ncu|both" >&2
     exit 2
     ;;
 esac
