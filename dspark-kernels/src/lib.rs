@@ -159,7 +159,9 @@ pub fn fused_markov() -> bool {
 /// and greedy proposals measured 0.03–0.07 ms shorter in four of four pairs
 /// (`benches/results/2026-12-06-h200-loop.md`); balanced block shares later took the loop
 /// kernel from 103 to 95 µs (FP8) and 193 to 175 µs (bf16) on an H100
-/// (`benches/results/2026-12-06-h100-loop2.md`). For A/B benchmarks; process-wide.
+/// (`benches/results/2026-12-06-h100-loop2.md`), and loading base logits and blocks ahead with a
+/// one-thread-fenced barrier from 95 to 89 µs (FP8) and 173 to 161 µs (bf16)
+/// (`benches/results/2026-12-07-h100-pdl-loop3.md`). For A/B benchmarks; process-wide.
 #[doc(hidden)]
 pub fn set_markov_loop(enabled: bool) {
     MARKOV_LOOP.store(enabled, Ordering::Relaxed);

@@ -54,11 +54,17 @@ pub(crate) const LOOP_MAX_LANES: usize = 8;
 const STALL_POLLS: u32 = 1 << 16;
 
 /// Every cube's arrival at barrier `target / cubes − 1`, then the wait for the others; at most
-/// [`STALL_POLLS`] polls, and none once a stall is recorded (`sync[1]`).
+/// [`STALL_POLLS`] polls, and none once a stall is recorded (`sync[1]`). As a cooperative grid
+/// sync: the cube's barrier first, then its first thread alone fences (cumulative over what the
+/// cube's threads did before the barrier: their slot atomics), counts itself in, polls, fences
+/// again, and the cube's barrier hands the result on. (A fence in every thread, as
+/// `sync_storage` makes, had each warp wait for its own atomics: 7.5 % of the loop's stall
+/// samples on an H100.)
 #[cube]
 fn grid_barrier(sync: &[Atomic<u32>], target: u32) {
-    sync_storage();
+    sync_cube();
     if UNIT_POS == 0 {
+        gpu_asm!("fence.acq_rel.gpu;");
         sync[0].fetch_add(1u32);
         if sync[1].load() == 0u32 {
             let mut polls = 0u32;
@@ -73,8 +79,50 @@ fn grid_barrier(sync: &[Atomic<u32>], target: u32) {
                 }
             }
         }
+        gpu_asm!("fence.acq_rel.gpu;");
     }
-    sync_storage();
+    sync_cube();
+}
+
+/// The step-`k` base logits of a lane's four outputs in block `b` (rows `2t`, `2t + 1` × columns
+/// `g`, `g + 8`; −∞ for rows past `rows`), kept in bf16 until the epilogue widens them, so that
+/// the load's wait falls there and not at the block's start (the widening placed beside the load
+/// was the loop's largest single stall on an H100).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_base(
+    base: &[bf16],
+    pre: &mut Array<bf16>,
+    b: usize,
+    k: usize,
+    rows: usize,
+    gamma: usize,
+    width: usize,
+    g: usize,
+    t: usize,
+) {
+    #[unroll]
+    for e in 0..4usize {
+        let row = 2 * t + e % 2;
+        let col = b * 16 + g + 8 * (e / 2);
+        if row < rows {
+            pre[e] = base[(row * gamma + k) * width + col];
+        } else {
+            pre[e] = bf16::cast_from(f32::NEG_INFINITY);
+        }
+    }
+}
+
+/// Block `b`'s weight words of this lane from global memory: both 8-row halves of every chunk.
+#[cube]
+fn load_block(w: &[Words], ws: &mut Array<Words>, b: usize, g: usize, t: usize, #[comptime] chunks: usize) {
+    let w_words = chunks * 4;
+    let lo_word = (b * 16 + g) * w_words + t;
+    #[unroll]
+    for c in 0..chunks {
+        ws[2 * c] = w[lo_word + c * 4];
+        ws[2 * c + 1] = w[lo_word + 8 * w_words + c * 4];
+    }
 }
 
 /// Before the loop: the `γ · lanes` sets of [`MARKOV_SLOTS`] slots cleared (a cube of 32 units
@@ -120,6 +168,7 @@ fn markov_loop_kernel(
     #[comptime] dense: bool,
     #[comptime] blocked: bool,
     #[comptime] mapped: bool,
+    #[comptime] ahead: bool,
 ) {
     crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
@@ -134,7 +183,6 @@ fn markov_loop_kernel(
     // (one); either way a weight row is `4 · chunks` words and a lane loads two a chunk.
     let xw_per_chunk = comptime![if dense { 1usize } else { 2usize }];
     let x_words = chunks * 4 * xw_per_chunk;
-    let w_words = chunks * 4;
     let n_blocks = width / 16;
     let cubes = CUBE_COUNT_X as usize;
     let cube = CUBE_POS_X as usize;
@@ -168,6 +216,18 @@ fn markov_loop_kernel(
         picked[lane] = anchor as u32;
     }
     sync_cube();
+
+    // The first block's base logits and (past step 0, when not resident) weight words for the
+    // step about to start.
+    let mut pre_next = Array::<bf16>::new(4usize);
+    // A block's weight words: both 8-row halves of every chunk (the next step's first block's
+    // when loaded before a barrier).
+    let mut ws = Array::<Words>::new(comptime![chunks * 2]);
+    // The next block's words, loaded one block ahead (`ahead` only).
+    let mut ws_ahead = Array::<Words>::new(comptime![chunks * 2]);
+    if mine > 0 {
+        load_base(base, &mut pre_next, lo + warp + (mine - 1) * warps, 0usize, rows, gamma, width, g, t);
+    }
 
     for k in 0..gamma {
         // The step's activation row for lane g (rows g ≥ rows are zero), the words the
@@ -203,38 +263,46 @@ fn markov_loop_kernel(
         for m in 0..mine {
             let j = warp + (mine - 1 - m) * warps;
             let b = lo + j;
-            // The base logits of this lane's four outputs: rows 2t, 2t+1 × columns g, g+8.
-            let mut pre = Array::<f32>::new(4usize);
+            // This block's base logits (loaded one block ahead), and the next block's started.
+            let mut pre = Array::<bf16>::new(4usize);
             #[unroll]
             for e in 0..4usize {
-                let row = 2 * t + e % 2;
-                let col = b * 16 + g + 8 * (e / 2);
-                if row < rows {
-                    pre[e] = f32::cast_from(base[(row * gamma + k) * width + col]);
-                } else {
-                    pre[e] = f32::new(f32::NEG_INFINITY);
-                }
+                pre[e] = pre_next[e];
             }
-            // The block's weight words: both 8-row halves of every chunk.
-            let mut ws = Array::<Words>::new(comptime![chunks * 2]);
+            if m + 1 < mine {
+                load_base(base, &mut pre_next, b - warps, k, rows, gamma, width, g, t);
+            }
             let kept_at = j * 2 * chunks * 32 + lane;
-            if j < resident && k > 0 {
+            // Whether this block comes from memory (every block at step 0).
+            let fetched = j >= resident || k == 0;
+            if m == 0 && k > 0 && j >= resident {
+                // Loaded before the last barrier.
+            } else if comptime![ahead] && m > 0 && fetched {
+                // Loaded while the previous block was multiplied.
+                #[unroll]
+                for q in 0..2 * chunks {
+                    ws[q] = ws_ahead[q];
+                }
+            } else if j < resident && k > 0 {
                 #[unroll]
                 for q in 0..2 * chunks {
                     ws[q] = kept[kept_at + q * 32];
                 }
             } else {
-                let lo_word = (b * 16 + g) * w_words + t;
+                load_block(w, &mut ws, b, g, t, chunks);
+            }
+            if j < resident && k == 0 {
                 #[unroll]
-                for c in 0..chunks {
-                    ws[2 * c] = w[lo_word + c * 4];
-                    ws[2 * c + 1] = w[lo_word + 8 * w_words + c * 4];
+                for q in 0..2 * chunks {
+                    kept[kept_at + q * 32] = ws[q];
                 }
-                if j < resident {
-                    #[unroll]
-                    for q in 0..2 * chunks {
-                        kept[kept_at + q * 32] = ws[q];
-                    }
+            }
+            // With registers to spare (bf16: 8 warps a cube), the next block's words are loaded
+            // now when it comes from memory, so that a warp's reads overlap its products.
+            #[allow(clippy::collapsible_if)]
+            if comptime![ahead] {
+                if m + 1 < mine && (j - warps >= resident || k == 0) {
+                    load_block(w, &mut ws_ahead, b - warps, g, t, chunks);
                 }
             }
             // Each chunk's sum as the product's warp for that chunk makes it.
@@ -307,7 +375,7 @@ fn markov_loop_kernel(
                 }
                 let row = 2 * t + e % 2;
                 if row < rows {
-                    let v = pre[e] + f32::cast_from(bf16::cast_from(sum));
+                    let v = f32::cast_from(pre[e]) + f32::cast_from(bf16::cast_from(sum));
                     let (nv, ni) = better(best_v[e % 2], best_i[e % 2], v, col as u32);
                     if v > f32::new(f32::NEG_INFINITY) {
                         best_v[e % 2] = nv;
@@ -335,6 +403,16 @@ fn markov_loop_kernel(
                     let slot = ((k * rows + row) * MARKOV_SLOTS + slot_of) * SLOT_STRIDE;
                     slots[slot].fetch_max(candidate_key(v, ix));
                 }
+            }
+        }
+
+        // The next step's first block does not depend on its token: its base logits, and its
+        // weight words when it is not resident, are loaded now and arrive during the barrier.
+        if k + 1 < gamma && mine > 0 {
+            let b0 = lo + warp + (mine - 1) * warps;
+            load_base(base, &mut pre_next, b0, k + 1, rows, gamma, width, g, t);
+            if warp + (mine - 1) * warps >= resident {
+                load_block(w, &mut ws, b0, g, t, chunks);
             }
         }
 
@@ -383,6 +461,9 @@ pub(crate) struct LoopShape {
     /// Warps a cube: 16 (512 threads, so at most 128 registers a thread at one cube an SM) for
     /// FP8, 8 for bf16, whose lane holds twice the weight and activation words.
     pub warps: usize,
+    /// Whether a warp loads its next block's words while it multiplies the current one (bf16:
+    /// at 8 warps a cube a thread may take 255 registers; FP8's 16 warps leave it 128).
+    pub ahead: bool,
 }
 
 impl LoopShape {
@@ -396,6 +477,7 @@ impl LoopShape {
             dense,
             chunks: rank / width,
             warps: if dense { 8 } else { 16 },
+            ahead: dense,
         })
     }
 
@@ -504,6 +586,7 @@ pub(crate) fn launch(
             shape.dense,
             blocked,
             mapped,
+            shape.ahead,
         );
     }
 }
@@ -534,7 +617,7 @@ pub(crate) fn offline_markov_loop() -> Vec<Result<super::offline::KernelSource, 
                     markov_loop_kernel::MarkovLoopKernel,
                     CubeDim::new_2d(32, shape.warps as u32);
                     b b b b b b b b b b s s s s s s;
-                    shape.chunks, shape.warps, resident, dense, blocked, mapped
+                    shape.chunks, shape.warps, resident, dense, blocked, mapped, shape.ahead
                 );
                 all.push(transpile(
                     &format!(
