@@ -75,7 +75,6 @@ fn skinny_gemm_kernel(
     #[comptime] mtiles: usize,
     #[comptime] argmax: bool,
 ) {
-    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -88,6 +87,21 @@ fn skinny_gemm_kernel(
     // This cube's range of chunks: `[first, first + chunks)`.
     let chunks = in_words / 4 / splits;
     let first = split * chunks;
+    // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
+    // step's argmax epilogue, whose registers are tight), then the wait.
+    if comptime![!argmax] {
+        crate::cuda::pdl::prefetch_weight_rows::<Words>(
+            w,
+            block * 16 * mtiles,
+            16 * mtiles,
+            in_words,
+            first * 4,
+            chunks * 4,
+            warp * 32 + lane,
+            warps * 32,
+        );
+    }
+    crate::cuda::pdl::dependency_wait();
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 

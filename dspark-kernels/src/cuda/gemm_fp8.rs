@@ -92,7 +92,6 @@ fn fp8_gemm_kernel(
     #[comptime] swiglu: bool,
     #[comptime] argmax: bool,
 ) {
-    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -107,6 +106,21 @@ fn fp8_gemm_kernel(
     let chunks = x_words / 8 / splits;
     let first = split * chunks;
     let scale_cols = scale_cols as usize;
+    // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
+    // step's argmax epilogue, whose registers are tight), then the wait.
+    if comptime![!argmax] {
+        crate::cuda::pdl::prefetch_weight_rows::<Words>(
+            w,
+            block * 16 * mtiles,
+            16 * mtiles,
+            w_words,
+            first * 4,
+            chunks * 4,
+            warp * 32 + lane,
+            warps * 32,
+        );
+    }
+    crate::cuda::pdl::dependency_wait();
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));

@@ -25,6 +25,12 @@
 //! element-wise kernels) keep plain edges; as the kernel *before* a programmatic edge any kernel
 //! will do, since the waiting is the dependent's.
 //!
+//! The product kernels (bf16 and FP8 skinny GEMMs, but for a Markov step's argmax epilogue)
+//! first ask the L2 for their own weight rows ([`prefetch_weight_rows`]) and only then wait:
+//! weights are never written by the grids they wait for, and a product's fixed cost is mostly
+//! the first round trip of its weight (`benches/results/2026-12-07-h100-pdl-loop3.md`, where the
+//! wait alone moved the step by 1–1.4 %).
+//!
 //! Whether kernels carry the wait is fixed at the process's first launch of one of them: with
 //! the switch on and a Hopper device (compute capability 9 or later) they do, otherwise they are
 //! built exactly as without this module, and the switch can no longer be turned on. Outside a
@@ -102,6 +108,47 @@ pub(crate) fn dependency_wait() {
     if comptime![kernels_wait()] {
         gpu_asm!("griddepcontrol.wait;");
         gpu_asm!("griddepcontrol.launch_dependents;");
+    }
+}
+
+/// Asks the L2 for the 128-byte line holding `src` (no register, no wait).
+#[cube]
+fn prefetch_l2<S: CubePrimitive>(src: *const S) {
+    gpu_asm!("prefetch.global.L2 [{}];", in(_) src);
+}
+
+/// Before [`dependency_wait`] in a product kernel: this thread's share (`id` of `threads`) of
+/// the 128-byte lines of the cube's weight rows `row0 .. row0 + rows` (a row every `row_words`
+/// 16-byte words), columns `first_word .. first_word + words`, asked of the L2. Weights are
+/// never written by the grids a kernel waits for, so reading them before the wait is safe; the
+/// lines then arrive while the kernel before still runs. Only when kernels carry the wait.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefetch_weight_rows<S: CubePrimitive>(
+    w: &[S],
+    row0: usize,
+    rows: usize,
+    row_words: usize,
+    first_word: usize,
+    words: usize,
+    id: usize,
+    #[comptime] threads: usize,
+) {
+    if comptime![kernels_wait()] {
+        let per_row = words.div_ceil(8);
+        let lines = rows * per_row;
+        let rounds = lines.div_ceil(threads);
+        for k in 0..rounds {
+            let i = k * threads + id;
+            if i < lines {
+                let at = (row0 + i / per_row) * row_words + first_word + (i % per_row) * 8;
+                // SAFETY: `at` is a word of the cube's own weight rows (callers pass rows and
+                // columns inside the matrix).
+                unsafe {
+                    prefetch_l2::<S>(w.slice(at, at + 1).as_ptr_unchecked());
+                }
+            }
+        }
     }
 }
 
