@@ -204,6 +204,20 @@ pub fn set_programmatic_trigger_port(enabled: bool) {
     let _ = enabled;
 }
 
+/// With [`set_programmatic_launch`], have the bf16 and FP8 products load the weights of their
+/// first unrolled step into registers before their wait (not only ask the L2 for them), for an
+/// A/B. Call before the process launches its first kernel; returns whether it took.
+#[doc(hidden)]
+pub fn set_programmatic_early_weights(enabled: bool) -> bool {
+    #[cfg(feature = "cuda")]
+    return cuda::pdl::set_early_weights(enabled);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = enabled;
+        false
+    }
+}
+
 /// Programmatic dependencies recorded into graphs by this process so far (see
 /// [`set_programmatic_launch`]): for benchmarks and checks that the switch took effect.
 #[doc(hidden)]

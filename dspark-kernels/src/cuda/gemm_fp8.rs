@@ -106,6 +106,31 @@ fn fp8_gemm_kernel(
     let chunks = x_words / 8 / splits;
     let first = split * chunks;
     let scale_cols = scale_cols as usize;
+    let w_lo = (block * 16 * mtiles + g) * w_words + t;
+    let zero = Words::new(0u32);
+    // Weight words of the step in flight (`unroll` chunks of both rows of every block).
+    let mut wa = Array::<Words>::new(unroll * mtiles);
+    let mut wb = Array::<Words>::new(unroll * mtiles);
+    // As an A/B (`pdl::early_weights`), the first step's words loaded before the wait (not
+    // with the argmax epilogue, as for the prefetch).
+    if comptime![crate::cuda::pdl::early_weights() && !argmax] {
+        #[unroll]
+        for u in 0..unroll {
+            let local = u * warps + warp;
+            load_weight_blocks(
+                w,
+                &mut wa,
+                &mut wb,
+                w_lo,
+                w_words,
+                first + local,
+                local < chunks,
+                zero,
+                u,
+                mtiles,
+            );
+        }
+    }
     // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
     // step's argmax epilogue, whose registers are tight), then the wait.
     if comptime![!argmax] {
@@ -132,9 +157,6 @@ fn fp8_gemm_kernel(
         acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
     }
 
-    let w_lo = (block * 16 * mtiles + g) * w_words + t;
-    let zero = Words::new(0u32);
-
     // With `argmax`, the base logits the epilogue adds, loaded now.
     let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
     if comptime![argmax] {
@@ -153,16 +175,43 @@ fn fp8_gemm_kernel(
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each) and of
-        //    every activation row (two words each).
-        let mut wa = Array::<Words>::new(unroll * mtiles);
-        let mut wb = Array::<Words>::new(unroll * mtiles);
+        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each; the
+        //    first step's already in with early weights) and of every activation row (two
+        //    words each).
         let mut xs = Array::<Words>::new(unroll * tiles * 2);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            load_weight_blocks(w, &mut wa, &mut wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
+            if comptime![crate::cuda::pdl::early_weights() && !argmax] {
+                if step > 0 {
+                    load_weight_blocks(
+                        w,
+                        &mut wa,
+                        &mut wb,
+                        w_lo,
+                        w_words,
+                        chunk,
+                        local < chunks,
+                        zero,
+                        u,
+                        mtiles,
+                    );
+                }
+            } else {
+                load_weight_blocks(
+                    w,
+                    &mut wa,
+                    &mut wb,
+                    w_lo,
+                    w_words,
+                    chunk,
+                    local < chunks,
+                    zero,
+                    u,
+                    mtiles,
+                );
+            }
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;

@@ -31,6 +31,9 @@
 //! the first round trip of its weight (`benches/results/2026-12-07-h100-pdl-loop3.md`, where the
 //! wait alone moved the step by 1–1.4 %).
 //!
+//! As an A/B ([`set_early_weights`]) they may also load the weight words of their first
+//! unrolled step into registers before the wait, so that the first mma waits for no DRAM trip.
+//!
 //! Whether kernels carry the wait is fixed at the process's first launch of one of them: with
 //! the switch on and a Hopper device (compute capability 9 or later) they do, otherwise they are
 //! built exactly as without this module, and the switch can no longer be turned on. Outside a
@@ -84,6 +87,27 @@ pub(crate) fn enabled() -> bool {
 /// Programmatic edges recorded in this process so far.
 pub(crate) fn edges() -> usize {
     EDGES.load(Ordering::Relaxed)
+}
+
+/// Product kernels load their first step's weights into registers before the wait, asked for
+/// (see [`set_early_weights`]).
+static EARLY: AtomicBool = AtomicBool::new(false);
+
+/// Have the product kernels load their first step's weight words into registers before the
+/// wait (besides the L2 prefetch of the rest), for an A/B. Read at kernel expansion like
+/// [`kernels_wait`], so it is refused (`false`) once a kernel of this crate was launched.
+pub(crate) fn set_early_weights(on: bool) -> bool {
+    if WAITS.load(Ordering::Relaxed) != 0 {
+        return false;
+    }
+    EARLY.store(on, Ordering::Relaxed);
+    true
+}
+
+/// Whether the product kernels load their first step's weights before the wait: kernels carry
+/// the wait and [`set_early_weights`] asked for it before the first launch.
+pub(crate) fn early_weights() -> bool {
+    kernels_wait() && EARLY.load(Ordering::Relaxed)
 }
 
 /// Whether the kernels start with `griddepcontrol.wait`: fixed by the first launch
