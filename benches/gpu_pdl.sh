@@ -3,11 +3,12 @@
 # (`dspark_kernels::set_programmatic_launch`, `dspark-kernels/src/cuda/pdl.rs`). Expects prebuilt
 # binaries, xz-compressed, in out/carry (see benches/gpu_env.sh): gpu_golden for `check`,
 # bench-draft (and bench-draft-old, the build before, for `ab`) for the timings.
-#   check: gpu_golden with the switch on: at Qwen3-8B shapes recorded forwards = op by op and
+#   check: gpu_golden with the switch on (then with `pdl-early`: products load their first
+#          weights before the wait): at Qwen3-8B shapes recorded forwards = op by op and
 #          the FP8 draft lossless on 4 lanes (every round through recorded graphs with
 #          programmatic edges), then the trained pair's greedy tests.
-#   bench: bench-draft γ = 7c, FP8 + FP8 head, 20 repetitions: PDL off, on, on, off (one process
-#          each: the switch applies to graphs recorded after it is set).
+#   bench: bench-draft γ = 7c, FP8 + FP8 head, 20 repetitions: PDL early, trigger, off, early
+#          (one process each: the switch applies to graphs recorded after it is set).
 #   ab:    bench-draft-old against bench-draft with PDL off, then on (same layout).
 # Usage: benches/gpu_pdl.sh check|bench|ab|all
 set -uo pipefail
@@ -19,6 +20,8 @@ check() {
     DSPARK_GPU_SWITCHES=pdl gpu_test gpu_golden 240 gpu_golden-pdl.log qwen3_8b_shapes_recorded \
         qwen3_8b_shapes_fp8 trained_pair_greedy
     grep -E "kernel switch|PDL|programmatic" "$OUT/gpu_golden-pdl.log" | head -5
+    DSPARK_GPU_SWITCHES=pdl-early gpu_test gpu_golden 240 gpu_golden-pdl-early.log qwen3_8b_shapes_recorded \
+        qwen3_8b_shapes_fp8 qwen3_8b_shapes_are_batch_invariant
 }
 
 draft() {
@@ -28,9 +31,9 @@ draft() {
 
 case "$PHASE" in
 check) check ;;
-bench) for p in off on on off; do draft bench-draft --pdl "$p"; done ;;
+bench) for p in early trigger off early; do draft bench-draft --pdl "$p"; done ;;
 ab) draft bench-draft-old; draft bench-draft --pdl off; draft bench-draft --pdl on ;;
-all) check; for p in off on; do draft bench-draft --pdl "$p"; done; draft bench-draft-old ;;
+all) check; for p in off early; do draft bench-draft --pdl "$p"; done; draft bench-draft-old ;;
 *)
     echo "usage: $0 check|bench|ab|all" >&2
     exit 2
