@@ -134,6 +134,11 @@ struct Args {
     /// (`dspark_kernels::set_programmatic_early_weights`), `(PDL, early)`.
     #[arg(long, default_value = "off", value_parser = ["on", "trigger", "early", "off"])]
     pdl: String,
+    /// Pipeline the bf16 and FP8 products' weight loads one step ahead at half the depth
+    /// (`on`) or not (`off`, the library's default; `dspark_kernels::set_pipelined_products`),
+    /// for an A/B across processes; the column then reads `(pipelined)`.
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    pipeline: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
     /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
     /// (`dspark_kernels::set_tile_padding`).
@@ -317,6 +322,9 @@ fn switches(args: &Args) -> String {
             _ => " (PDL)",
         };
     }
+    if args.pipeline == "on" {
+        label += " (pipelined)";
+    }
     if args.pad_tiles == "off" {
         label += " (3 tiles at 17-24 rows)";
     }
@@ -335,6 +343,7 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_programmatic_launch(args.pdl != "off");
     dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger" || args.pdl == "early");
     dspark_kernels::set_programmatic_early_weights(args.pdl == "early");
+    dspark_kernels::set_pipelined_products(args.pipeline == "on");
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {

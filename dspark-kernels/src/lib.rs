@@ -312,7 +312,7 @@ pub fn kernels_enabled() -> bool {
 }
 
 pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm, linear_fp8_swiglu};
-pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide};
+pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide, set_pipelined_products};
 pub use graph::{
     DeviceGraph, GraphError, INT_VIEW_ALIGN, InputBuffer, graph_emulation, graphs_available, int_view,
     set_graph_emulation, set_graphs_enabled, write_floats_into, write_into,

@@ -27,7 +27,7 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `dspark_kernels::set_markov_loop`, `pdl` / `no-pdl` for
 /// `dspark_kernels::set_programmatic_launch`, `pdl-early` for the same from the programmatic port
 /// with the products' first weights loaded before the wait, which only the process's first
-/// test can still ask for), so that one build checks a switch either way: before it
+/// test can still ask for, `pipelined` for `dspark_kernels::set_pipelined_products`, the same), so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced. Unset: the library's defaults (every switch
 /// above on but programmatic launches, 1024 norm threads). An unknown name fails the test rather than being ignored.
 fn staged_switches() {
@@ -50,6 +50,10 @@ fn staged_switches() {
             "no-markov-loop" => dspark_kernels::set_markov_loop(false),
             "pdl" => assert!(dspark_kernels::set_programmatic_launch(true)),
             "no-pdl" => assert!(dspark_kernels::set_programmatic_launch(false)),
+            "pipelined" => {
+                // Taken before the process's first launch; kept (refused again) after it.
+                let _ = dspark_kernels::set_pipelined_products(true);
+            }
             "pdl-early" => {
                 assert!(dspark_kernels::set_programmatic_launch(true));
                 dspark_kernels::set_programmatic_trigger_port(true);

@@ -95,22 +95,9 @@ fn skinny_gemm_kernel(
     // As an A/B (`pdl::early_weights`), the first step's words loaded before the wait (not
     // with the argmax epilogue, as for the prefetch).
     if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-        #[unroll]
-        for u in 0..unroll {
-            let local = u * warps + warp;
-            load_weight_blocks(
-                w,
-                &mut wa,
-                &mut wb,
-                w_lo,
-                in_words,
-                first + local,
-                local < chunks,
-                zero,
-                u,
-                mtiles,
-            );
-        }
+        load_step(
+            w, &mut wa, &mut wb, w_lo, in_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
+        );
     }
     // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
     // step's argmax epilogue, whose registers are tight), then the wait.
@@ -127,6 +114,13 @@ fn skinny_gemm_kernel(
         );
     }
     crate::cuda::pdl::dependency_wait();
+    // Pipelined (an A/B, `gemm_plan::pipelined_for`): each step issues the next step's weight
+    // loads before it multiplies its own, so the first step's are loaded here.
+    if comptime![crate::gemm_plan::pipelined_for(tiles) && !crate::cuda::pdl::early_weights() && !argmax] {
+        load_step(
+            w, &mut wa, &mut wb, w_lo, in_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
+        );
+    }
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
@@ -156,15 +150,50 @@ fn skinny_gemm_kernel(
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows (the first step's already in with
-        //    early weights) and of every activation row.
+        // 1. Loads: `unroll` chunks of both weight rows (this step's, or with early weights
+        //    all but the first step's, or pipelined the next step's) and of every activation row.
+        let mut na = Array::<Words>::new(unroll * mtiles);
+        let mut nb = Array::<Words>::new(unroll * mtiles);
+        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
+            load_step(
+                w,
+                &mut na,
+                &mut nb,
+                w_lo,
+                in_words,
+                first,
+                chunks,
+                step + 1,
+                warp,
+                zero,
+                warps,
+                unroll,
+                mtiles,
+            );
+        }
         let mut xs = Array::<Words>::new(unroll * tiles);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-                if step > 0 {
+            // (Interleaved with the activation loads, as the kernel was tuned.)
+            if comptime![!crate::gemm_plan::pipelined_for(tiles) || argmax] {
+                if comptime![crate::cuda::pdl::early_weights() && !argmax] {
+                    if step > 0 {
+                        load_weight_blocks(
+                            w,
+                            &mut wa,
+                            &mut wb,
+                            w_lo,
+                            in_words,
+                            chunk,
+                            local < chunks,
+                            zero,
+                            u,
+                            mtiles,
+                        );
+                    }
+                } else {
                     load_weight_blocks(
                         w,
                         &mut wa,
@@ -178,19 +207,6 @@ fn skinny_gemm_kernel(
                         mtiles,
                     );
                 }
-            } else {
-                load_weight_blocks(
-                    w,
-                    &mut wa,
-                    &mut wb,
-                    w_lo,
-                    in_words,
-                    chunk,
-                    local < chunks,
-                    zero,
-                    u,
-                    mtiles,
-                );
             }
             #[unroll]
             for j in 0..tiles {
@@ -230,6 +246,14 @@ fn skinny_gemm_kernel(
                         acc[m * tiles + j] = c[0];
                     }
                 }
+            }
+        }
+        // Pipelined: the next step's words become this step's.
+        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
+            #[unroll]
+            for i in 0..unroll * mtiles {
+                wa[i] = na[i];
+                wb[i] = nb[i];
             }
         }
     }
@@ -487,6 +511,32 @@ pub(crate) fn load_weight_blocks(
             wa[u * mtiles + m] = zero;
             wb[u * mtiles + m] = zero;
         }
+    }
+}
+
+/// The weight words of step `step` of warp `warp` (chunks `first + (step · unroll + u) · warps
+/// + warp` for `u < unroll`, zero past the cube's `chunks`) into `wa`/`wb`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn load_step(
+    w: &[Words],
+    wa: &mut Array<Words>,
+    wb: &mut Array<Words>,
+    w_lo: usize,
+    w_words: usize,
+    first: usize,
+    chunks: usize,
+    step: usize,
+    warp: usize,
+    zero: Words,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+    #[comptime] mtiles: usize,
+) {
+    #[unroll]
+    for u in 0..unroll {
+        let local = (step * unroll + u) * warps + warp;
+        load_weight_blocks(w, wa, wb, w_lo, w_words, first + local, local < chunks, zero, u, mtiles);
     }
 }
 

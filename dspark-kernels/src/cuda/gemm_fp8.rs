@@ -39,7 +39,7 @@ use half::bf16;
 
 use super::gemm::{
     MARKOV_SLOTS, MAX_ROWS, Product, SLOT_STRIDE, Weights, argmax_candidate, argmax_prefetch, combine_splits,
-    load_weight_blocks, plan, split_scratch, swiglu_epilogue,
+    load_step, load_weight_blocks, plan, split_scratch, swiglu_epilogue,
 };
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
@@ -114,22 +114,9 @@ fn fp8_gemm_kernel(
     // As an A/B (`pdl::early_weights`), the first step's words loaded before the wait (not
     // with the argmax epilogue, as for the prefetch).
     if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-        #[unroll]
-        for u in 0..unroll {
-            let local = u * warps + warp;
-            load_weight_blocks(
-                w,
-                &mut wa,
-                &mut wb,
-                w_lo,
-                w_words,
-                first + local,
-                local < chunks,
-                zero,
-                u,
-                mtiles,
-            );
-        }
+        load_step(
+            w, &mut wa, &mut wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
+        );
     }
     // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
     // step's argmax epilogue, whose registers are tight), then the wait.
@@ -146,6 +133,13 @@ fn fp8_gemm_kernel(
         );
     }
     crate::cuda::pdl::dependency_wait();
+    // Pipelined (an A/B, `gemm_plan::pipelined_for`): each step issues the next step's weight
+    // loads before it multiplies its own, so the first step's are loaded here.
+    if comptime![crate::gemm_plan::pipelined_for(tiles) && !crate::cuda::pdl::early_weights() && !argmax] {
+        load_step(
+            w, &mut wa, &mut wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
+        );
+    }
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
@@ -175,16 +169,51 @@ fn fp8_gemm_kernel(
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each; the
-        //    first step's already in with early weights) and of every activation row (two
-        //    words each).
+        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each; this
+        //    step's, or with early weights all but the first step's, or pipelined the next
+        //    step's) and of every activation row (two words each).
+        let mut na = Array::<Words>::new(unroll * mtiles);
+        let mut nb = Array::<Words>::new(unroll * mtiles);
+        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
+            load_step(
+                w,
+                &mut na,
+                &mut nb,
+                w_lo,
+                w_words,
+                first,
+                chunks,
+                step + 1,
+                warp,
+                zero,
+                warps,
+                unroll,
+                mtiles,
+            );
+        }
         let mut xs = Array::<Words>::new(unroll * tiles * 2);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-                if step > 0 {
+            // (Interleaved with the activation loads, as the kernel was tuned.)
+            if comptime![!crate::gemm_plan::pipelined_for(tiles) || argmax] {
+                if comptime![crate::cuda::pdl::early_weights() && !argmax] {
+                    if step > 0 {
+                        load_weight_blocks(
+                            w,
+                            &mut wa,
+                            &mut wb,
+                            w_lo,
+                            w_words,
+                            chunk,
+                            local < chunks,
+                            zero,
+                            u,
+                            mtiles,
+                        );
+                    }
+                } else {
                     load_weight_blocks(
                         w,
                         &mut wa,
@@ -198,19 +227,6 @@ fn fp8_gemm_kernel(
                         mtiles,
                     );
                 }
-            } else {
-                load_weight_blocks(
-                    w,
-                    &mut wa,
-                    &mut wb,
-                    w_lo,
-                    w_words,
-                    chunk,
-                    local < chunks,
-                    zero,
-                    u,
-                    mtiles,
-                );
             }
             #[unroll]
             for j in 0..tiles {
@@ -282,6 +298,14 @@ fn fp8_gemm_kernel(
                         acc[m * tiles + j] = part[m * tiles + j];
                     }
                 }
+            }
+        }
+        // Pipelined: the next step's words become this step's.
+        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
+            #[unroll]
+            for i in 0..unroll * mtiles {
+                wa[i] = na[i];
+                wb[i] = nb[i];
             }
         }
     }

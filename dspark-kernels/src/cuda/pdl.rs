@@ -97,7 +97,7 @@ static EARLY: AtomicBool = AtomicBool::new(false);
 /// wait (besides the L2 prefetch of the rest), for an A/B. Read at kernel expansion like
 /// [`kernels_wait`], so it is refused (`false`) once a kernel of this crate was launched.
 pub(crate) fn set_early_weights(on: bool) -> bool {
-    if WAITS.load(Ordering::Relaxed) != 0 {
+    if launched() {
         return false;
     }
     EARLY.store(on, Ordering::Relaxed);
@@ -108,6 +108,12 @@ pub(crate) fn set_early_weights(on: bool) -> bool {
 /// the wait and [`set_early_weights`] asked for it before the first launch.
 pub(crate) fn early_weights() -> bool {
     kernels_wait() && EARLY.load(Ordering::Relaxed)
+}
+
+/// Whether a kernel of this crate was launched (or the offline catalog built): switches read
+/// at kernel expansion are fixed from then on.
+pub(crate) fn launched() -> bool {
+    WAITS.load(Ordering::Relaxed) != 0
 }
 
 /// Whether the kernels start with `griddepcontrol.wait`: fixed by the first launch
