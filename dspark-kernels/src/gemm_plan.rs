@@ -311,6 +311,21 @@ mod tests {
     }
 
     #[test]
+    fn pipelined_products_halve_the_depth_of_up_to_two_tiles() {
+        let _lock = unroll_lock();
+        let p = GemmPlan { splits: 1, depth: 8 };
+        // 128 chunks over 8 warps; one block per cube.
+        let before = [1, 2, 3].map(|t| p.unroll_with(t, 1, 128, WARPS));
+        assert!(set_pipelined_products(true));
+        let piped = [1, 2, 3].map(|t| p.unroll_with(t, 1, 128, WARPS));
+        let shallow = GemmPlan { splits: 1, depth: 1 }.unroll_with(1, 1, 128, WARPS);
+        assert!(set_pipelined_products(false));
+        assert_eq!(before, [8, 4, 2]);
+        assert_eq!(piped, [4, 2, 2], "three tiles are not pipelined");
+        assert_eq!(shallow, 1, "never below one chunk");
+    }
+
+    #[test]
     fn a_forced_plan_applies_only_where_it_fits() {
         let p = GemmPlan { splits: 8, depth: 2 };
         force_plan(Some(p));
