@@ -168,6 +168,8 @@ fn fp8_gemm_kernel(
     }
 
     let steps = chunks.div_ceil(warps * unroll);
+    // The first step whose weights the loop loads itself (not pipelined).
+    let from = if comptime![crate::cuda::pdl::early_weights() && !argmax] { 1usize } else { 0usize };
     for step in 0..steps {
         // 1. Loads: `unroll` chunks of both weight rows of every block (one word each; this
         //    step's, or with early weights all but the first step's, or pipelined the next
@@ -196,37 +198,21 @@ fn fp8_gemm_kernel(
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            // (Interleaved with the activation loads, as the kernel was tuned.)
-            if comptime![!crate::gemm_plan::pipelined_for(tiles) || argmax] {
-                if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-                    if step > 0 {
-                        load_weight_blocks(
-                            w,
-                            &mut wa,
-                            &mut wb,
-                            w_lo,
-                            w_words,
-                            chunk,
-                            local < chunks,
-                            zero,
-                            u,
-                            mtiles,
-                        );
-                    }
-                } else {
-                    load_weight_blocks(
-                        w,
-                        &mut wa,
-                        &mut wb,
-                        w_lo,
-                        w_words,
-                        chunk,
-                        local < chunks,
-                        zero,
-                        u,
-                        mtiles,
-                    );
-                }
+            // (Interleaved with the activation loads, as the kernel was tuned; with early
+            // weights from the second step on.)
+            if comptime![!crate::gemm_plan::pipelined_for(tiles) || argmax] && step >= from {
+                load_weight_blocks(
+                    w,
+                    &mut wa,
+                    &mut wb,
+                    w_lo,
+                    w_words,
+                    chunk,
+                    local < chunks,
+                    zero,
+                    u,
+                    mtiles,
+                );
             }
             #[unroll]
             for j in 0..tiles {
