@@ -92,35 +92,11 @@ fn skinny_gemm_kernel(
     // Weight words of the step in flight (`unroll` chunks of both rows of every block).
     let mut wa = Array::<Words>::new(unroll * mtiles);
     let mut wb = Array::<Words>::new(unroll * mtiles);
-    // As an A/B (`pdl::early_weights`), the first step's words loaded before the wait (not
-    // with the argmax epilogue, as for the prefetch).
-    if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-        load_step(
-            w, &mut wa, &mut wb, w_lo, in_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
-        );
-    }
-    // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
-    // step's argmax epilogue, whose registers are tight), then the wait.
-    if comptime![!argmax] {
-        crate::cuda::pdl::prefetch_weight_rows::<Words>(
-            w,
-            block * 16 * mtiles,
-            16 * mtiles,
-            in_words,
-            first * 4,
-            chunks * 4,
-            warp * 32 + lane,
-            warps * 32,
-        );
-    }
-    crate::cuda::pdl::dependency_wait();
-    // Pipelined (an A/B, `gemm_plan::pipelined_for`): each step issues the next step's weight
-    // loads before it multiplies its own, so the first step's are loaded here.
-    if comptime![crate::gemm_plan::pipelined_for(tiles) && !crate::cuda::pdl::early_weights() && !argmax] {
-        load_step(
-            w, &mut wa, &mut wb, w_lo, in_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
-        );
-    }
+    // The first weights asked for, the wait (see `start_product`).
+    start_product(
+        w, &mut wa, &mut wb, w_lo, in_words, first, chunks, block, warp, lane, zero, warps, unroll, mtiles,
+        tiles, argmax,
+    );
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
@@ -497,6 +473,55 @@ pub(crate) fn load_weight_blocks(
             wa[u * mtiles + m] = zero;
             wb[u * mtiles + m] = zero;
         }
+    }
+}
+
+/// The start of a product kernel (bf16 or FP8; `w_words` 16-byte words a weight row, 4 a
+/// chunk, the cube's weight rows from `16 · mtiles · block`): the weight reads allowed before
+/// the grids it depends on have finished, then [`dependency_wait`](crate::cuda::pdl::dependency_wait).
+/// With the wait, the cube's weight lines are asked of the L2 (not with the argmax epilogue,
+/// whose registers are tight; see `pdl::prefetch_weight_rows`), and with early weights (an A/B,
+/// `pdl::early_weights`) the first step's words are loaded into `wa`/`wb` before it. Pipelined
+/// (an A/B, `gemm_plan::pipelined_for`), each step loads the next step's words before it
+/// multiplies its own, so the first step's are loaded here, after the wait if not before.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_product(
+    w: &[Words],
+    wa: &mut Array<Words>,
+    wb: &mut Array<Words>,
+    w_lo: usize,
+    w_words: usize,
+    first: usize,
+    chunks: usize,
+    block: usize,
+    warp: usize,
+    lane: usize,
+    zero: Words,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+    #[comptime] mtiles: usize,
+    #[comptime] tiles: usize,
+    #[comptime] argmax: bool,
+) {
+    if comptime![crate::cuda::pdl::early_weights() && !argmax] {
+        load_step(w, wa, wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles);
+    }
+    if comptime![!argmax] {
+        crate::cuda::pdl::prefetch_weight_rows::<Words>(
+            w,
+            block * 16 * mtiles,
+            16 * mtiles,
+            w_words,
+            first * 4,
+            chunks * 4,
+            warp * 32 + lane,
+            warps * 32,
+        );
+    }
+    crate::cuda::pdl::dependency_wait();
+    if comptime![crate::gemm_plan::pipelined_for(tiles) && !crate::cuda::pdl::early_weights() && !argmax] {
+        load_step(w, wa, wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles);
     }
 }
 

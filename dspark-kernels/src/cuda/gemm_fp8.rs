@@ -39,7 +39,7 @@ use half::bf16;
 
 use super::gemm::{
     MARKOV_SLOTS, MAX_ROWS, Product, SLOT_STRIDE, Weights, argmax_candidate, argmax_prefetch, combine_splits,
-    load_step, load_weight_blocks, plan, split_scratch, swiglu_epilogue,
+    load_step, load_weight_blocks, plan, split_scratch, start_product, swiglu_epilogue,
 };
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
@@ -111,35 +111,11 @@ fn fp8_gemm_kernel(
     // Weight words of the step in flight (`unroll` chunks of both rows of every block).
     let mut wa = Array::<Words>::new(unroll * mtiles);
     let mut wb = Array::<Words>::new(unroll * mtiles);
-    // As an A/B (`pdl::early_weights`), the first step's words loaded before the wait (not
-    // with the argmax epilogue, as for the prefetch).
-    if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-        load_step(
-            w, &mut wa, &mut wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
-        );
-    }
-    // The cube's weight lines asked of the L2 while the kernel before runs (not for a Markov
-    // step's argmax epilogue, whose registers are tight), then the wait.
-    if comptime![!argmax] {
-        crate::cuda::pdl::prefetch_weight_rows::<Words>(
-            w,
-            block * 16 * mtiles,
-            16 * mtiles,
-            w_words,
-            first * 4,
-            chunks * 4,
-            warp * 32 + lane,
-            warps * 32,
-        );
-    }
-    crate::cuda::pdl::dependency_wait();
-    // Pipelined (an A/B, `gemm_plan::pipelined_for`): each step issues the next step's weight
-    // loads before it multiplies its own, so the first step's are loaded here.
-    if comptime![crate::gemm_plan::pipelined_for(tiles) && !crate::cuda::pdl::early_weights() && !argmax] {
-        load_step(
-            w, &mut wa, &mut wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles,
-        );
-    }
+    // The first weights asked for, the wait (see `start_product`).
+    start_product(
+        w, &mut wa, &mut wb, w_lo, w_words, first, chunks, block, warp, lane, zero, warps, unroll, mtiles,
+        tiles, argmax,
+    );
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
