@@ -10,7 +10,10 @@
 #   bench: bench-draft γ = 7c, FP8 + FP8 head, 20 repetitions: PDL early, trigger, off, early
 #          (one process each: the switch applies to graphs recorded after it is set).
 #   ab:    bench-draft-old against bench-draft with PDL off, then on (same layout).
-# Usage: benches/gpu_pdl.sh check|bench|ab|all
+#   pipe:  bench-draft γ = 7c, FP8 + FP8 head: PDL early, pipelined products, PDL off, both,
+#          PDL trigger (one process each), then, while the call has time left, gpu_golden's
+#          recorded, FP8 and batch-invariance tests with `pdl-early` and with `pipelined`.
+# Usage: benches/gpu_pdl.sh check|bench|ab|all|pipe
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -29,10 +32,30 @@ draft() {
     grep -E "^PDL" "$OUT/$GPU_BENCH_RUNS-$1.md"
 }
 
+# gpu_golden's recorded = op by op, FP8 lossless and batch-invariance tests with switch $1, if
+# the call has more than 200 s left of its 580 (SECONDS counts from the script's start).
+checked() {
+    if [ $((580 - SECONDS)) -lt 200 ]; then
+        echo "no time left for gpu_golden with $1"
+        return
+    fi
+    DSPARK_GPU_SWITCHES=$1 gpu_test gpu_golden $((570 - SECONDS)) "gpu_golden-$1.log" \
+        qwen3_8b_shapes_recorded qwen3_8b_shapes_fp8 qwen3_8b_shapes_are_batch_invariant
+}
+
 case "$PHASE" in
 check) check ;;
 bench) for p in early trigger off early; do draft bench-draft --pdl "$p"; done ;;
 ab) draft bench-draft-old; draft bench-draft --pdl off; draft bench-draft --pdl on ;;
+pipe)
+    draft bench-draft --pdl early
+    draft bench-draft --pipeline on
+    draft bench-draft --pdl off
+    draft bench-draft --pdl early --pipeline on
+    draft bench-draft --pdl trigger
+    checked pdl-early
+    checked pipelined
+    ;;
 all) check; for p in off early; do draft bench-draft --pdl "$p"; done; draft bench-draft-old ;;
 *)
     echo "usage: $0 check|bench|ab|all" >&2
