@@ -139,6 +139,12 @@ struct Args {
     /// for an A/B across processes; the column then reads `(pipelined)`.
     #[arg(long, default_value = "off", value_parser = ["on", "off"])]
     pipeline: String,
+    /// With `--pdl`, have the products ask the L2 for their weight rows before their wait
+    /// (`on`, the library's default) or not (`off`;
+    /// `dspark_kernels::set_programmatic_weight_prefetch`), for an A/B across processes; the
+    /// column then reads `(no prefetch)`.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    prefetch: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
     /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
     /// (`dspark_kernels::set_tile_padding`).
@@ -325,6 +331,9 @@ fn switches(args: &Args) -> String {
     if args.pipeline == "on" {
         label += " (pipelined)";
     }
+    if args.prefetch == "off" {
+        label += " (no prefetch)";
+    }
     if args.pad_tiles == "off" {
         label += " (3 tiles at 17-24 rows)";
     }
@@ -344,6 +353,7 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger" || args.pdl == "early");
     dspark_kernels::set_programmatic_early_weights(args.pdl == "early");
     dspark_kernels::set_pipelined_products(args.pipeline == "on");
+    dspark_kernels::set_programmatic_weight_prefetch(args.prefetch == "on");
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {

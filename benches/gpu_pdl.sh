@@ -13,7 +13,9 @@
 #   pipe:  bench-draft γ = 7c, FP8 + FP8 head: PDL early, pipelined products, PDL off, both,
 #          PDL trigger (one process each), then, while the call has time left, gpu_golden's
 #          recorded, FP8 and batch-invariance tests with `pdl-early` and with `pipelined`.
-# Usage: benches/gpu_pdl.sh check|bench|ab|all|pipe
+#   nopf:  bench-draft as in `pipe` with the products' L2 prefetch off (`--prefetch off`):
+#          PDL early, off, trigger, early, off; the results packed into one archive.
+# Usage: benches/gpu_pdl.sh check|bench|ab|all|pipe|nopf
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -30,6 +32,7 @@ check() {
 draft() {
     gpu_bench "$1" 150 --layouts 7c --weights fp8h --reps 20 --context 512 "${@:2}"
     grep -E "^PDL" "$OUT/$GPU_BENCH_RUNS-$1.md"
+    echo "(${SECONDS} s into the call)"
 }
 
 # gpu_golden's recorded = op by op, FP8 lossless and batch-invariance tests with switch $1, if
@@ -55,6 +58,14 @@ pipe)
     draft bench-draft --pdl trigger
     checked pdl-early
     checked pipelined
+    ;;
+nopf)
+    draft bench-draft --pdl early --prefetch off
+    draft bench-draft --pdl off
+    draft bench-draft --pdl trigger --prefetch off
+    draft bench-draft --pdl early --prefetch off
+    draft bench-draft --pdl off
+    tar czf /tmp/nopf.tgz -C "$OUT" . && rm -f "$OUT"/* && mv /tmp/nopf.tgz "$OUT"/
     ;;
 all) check; for p in off early; do draft bench-draft --pdl "$p"; done; draft bench-draft-old ;;
 *)

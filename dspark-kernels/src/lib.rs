@@ -218,6 +218,20 @@ pub fn set_programmatic_early_weights(enabled: bool) -> bool {
     }
 }
 
+/// With [`set_programmatic_launch`], have the bf16 and FP8 products ask the L2 for their
+/// weight rows before their wait (`true`, the default) or not, for an A/B. Call before the
+/// process launches its first kernel; returns whether it took.
+#[doc(hidden)]
+pub fn set_programmatic_weight_prefetch(enabled: bool) -> bool {
+    #[cfg(feature = "cuda")]
+    return cuda::pdl::set_weight_prefetch(enabled);
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = enabled;
+        false
+    }
+}
+
 /// Programmatic dependencies recorded into graphs by this process so far (see
 /// [`set_programmatic_launch`]): for benchmarks and checks that the switch took effect.
 #[doc(hidden)]

@@ -110,6 +110,24 @@ pub(crate) fn early_weights() -> bool {
     kernels_wait() && EARLY.load(Ordering::Relaxed)
 }
 
+/// Product kernels ask the L2 for their weight rows before the wait (see
+/// [`set_weight_prefetch`]); on unless turned off.
+static PREFETCH: AtomicBool = AtomicBool::new(true);
+
+/// Have the product kernels ask the L2 for their weight rows before the wait ([`prefetch_weight_rows`],
+/// the default with programmatic launches) or not, for an A/B: on the H100 (2026-12-07) the
+/// step with programmatic edges and the prefetch took 7.1–7.6 ms against 6.1–6.2 without
+/// either, as if the next product's prefetched rows were evicted by the current product's
+/// stream before use. Read at kernel expansion like [`kernels_wait`], so it is refused
+/// (`false`) once a kernel of this crate was launched.
+pub(crate) fn set_weight_prefetch(on: bool) -> bool {
+    if launched() {
+        return false;
+    }
+    PREFETCH.store(on, Ordering::Relaxed);
+    true
+}
+
 /// Whether a kernel of this crate was launched (or the offline catalog built): switches read
 /// at kernel expansion are fixed from then on.
 pub(crate) fn launched() -> bool {
@@ -164,7 +182,7 @@ pub(crate) fn prefetch_weight_rows<S: CubePrimitive>(
     id: usize,
     #[comptime] threads: usize,
 ) {
-    if comptime![kernels_wait()] {
+    if comptime![kernels_wait() && PREFETCH.load(Ordering::Relaxed)] {
         let per_row = words.div_ceil(8);
         let lines = rows * per_row;
         let rounds = lines.div_ceil(threads);
