@@ -129,22 +129,9 @@ struct Args {
     /// Record graphs with programmatic dependencies between the kernels (`on`: from the kernel
     /// before's launch-completion port; `trigger`: from its programmatic port) or plain edges
     /// (`off`, the library's default; `dspark_kernels::set_programmatic_launch`), for an A/B
-    /// across processes; the column then reads `(PDL)` or `(PDL, trigger)`. `early`: as
-    /// `trigger`, and the products load their first step's weights before the wait
-    /// (`dspark_kernels::set_programmatic_early_weights`), `(PDL, early)`.
-    #[arg(long, default_value = "off", value_parser = ["on", "trigger", "early", "off"])]
+    /// across processes; the column then reads `(PDL)` or `(PDL, trigger)`.
+    #[arg(long, default_value = "off", value_parser = ["on", "trigger", "off"])]
     pdl: String,
-    /// Pipeline the bf16 and FP8 products' weight loads one step ahead at half the depth
-    /// (`on`) or not (`off`, the library's default; `dspark_kernels::set_pipelined_products`),
-    /// for an A/B across processes; the column then reads `(pipelined)`.
-    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
-    pipeline: String,
-    /// With `--pdl`, have the products ask the L2 for their weight rows before their wait
-    /// (`on`, the library's default) or not (`off`;
-    /// `dspark_kernels::set_programmatic_weight_prefetch`), for an A/B across processes; the
-    /// column then reads `(no prefetch)`.
-    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
-    prefetch: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
     /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
     /// (`dspark_kernels::set_tile_padding`).
@@ -322,17 +309,7 @@ fn switches(args: &Args) -> String {
         label += &format!(" (norm {} threads)", args.norm_threads);
     }
     if args.pdl != "off" {
-        label += match args.pdl.as_str() {
-            "trigger" => " (PDL, trigger)",
-            "early" => " (PDL, early)",
-            _ => " (PDL)",
-        };
-    }
-    if args.pipeline == "on" {
-        label += " (pipelined)";
-    }
-    if args.prefetch == "off" {
-        label += " (no prefetch)";
+        label += if args.pdl == "trigger" { " (PDL, trigger)" } else { " (PDL)" };
     }
     if args.pad_tiles == "off" {
         label += " (3 tiles at 17-24 rows)";
@@ -350,10 +327,7 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_attention_min_chunk(args.attn_min_chunk.parse().unwrap_or(32));
     dspark_kernels::set_norm_threads(args.norm_threads.parse().unwrap_or(1024));
     dspark_kernels::set_programmatic_launch(args.pdl != "off");
-    dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger" || args.pdl == "early");
-    dspark_kernels::set_programmatic_early_weights(args.pdl == "early");
-    dspark_kernels::set_pipelined_products(args.pipeline == "on");
-    dspark_kernels::set_programmatic_weight_prefetch(args.prefetch == "on");
+    dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger");
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {

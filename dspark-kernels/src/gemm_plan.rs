@@ -5,7 +5,6 @@
 //! inside a verify window or among other lanes.
 
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Warps per cube; each takes every `WARPS`-th chunk of its cube's range of the reduction axis.
 pub(crate) const WARPS: usize = 8;
@@ -117,39 +116,10 @@ impl GemmPlan {
     /// per warp (each chunk is `mtiles` times as many weight words), and never more chunks than
     /// a warp of `warps` has in a reduction of `chunks` (a Markov W2 gives each warp one chunk:
     /// a second slot would only load and multiply zeros, and hold registers).
-    ///
-    /// Pipelined ([`set_pipelined_products`], up to two tiles) each warp holds two steps' loads, so a step is
-    /// half as deep (at least one chunk): the same registers, loads always in flight.
     pub fn unroll_with(self, tiles: usize, mtiles: usize, chunks: usize, warps: usize) -> usize {
         let per_warp = (chunks / self.splits.max(1)).div_ceil(warps.max(1));
-        let depth = self.unroll(tiles) / mtiles.max(1);
-        let depth = if pipelined_for(tiles) { depth / 2 } else { depth };
-        depth.min(per_warp).max(1)
+        (self.unroll(tiles) / mtiles.max(1)).min(per_warp).max(1)
     }
-}
-
-/// Whether the products are pipelined (see [`set_pipelined_products`]).
-static PIPELINED: AtomicBool = AtomicBool::new(false);
-
-/// Have the bf16 and FP8 skinny GEMMs issue each step's weight loads one step ahead (a warp
-/// multiplies step `s` while step `s + 1`'s words arrive, at half the depth of
-/// [`GemmPlan::unroll_with`]), for an A/B. Numerically neutral: chunks keep their warps and
-/// their order. Read when kernels are built, so set it before the process's first product;
-/// returns whether it took (`false` once a kernel of the crate was launched on CUDA).
-#[doc(hidden)]
-pub fn set_pipelined_products(on: bool) -> bool {
-    #[cfg(feature = "cuda")]
-    if crate::cuda::pdl::launched() {
-        return false;
-    }
-    PIPELINED.store(on, Ordering::Relaxed);
-    true
-}
-
-/// Whether products of `tiles` activation tiles are pipelined ([`set_pipelined_products`]): up
-/// to two tiles (16 rows; wider ones would spill the second step's loads).
-pub(crate) fn pipelined_for(tiles: usize) -> bool {
-    PIPELINED.load(Ordering::Relaxed) && tiles <= 2
 }
 
 /// Blocks per cube forced on every bf16 and FP8 product where they fit, or `None` for the
@@ -308,21 +278,6 @@ mod tests {
         assert_eq!(forced, [8, 4, 4, 4, 2]);
         assert_eq!(refused, 2, "a count other than 1, 2, 4 or 8 leaves the choice");
         assert_eq!(p.unroll(3), 2);
-    }
-
-    #[test]
-    fn pipelined_products_halve_the_depth_of_up_to_two_tiles() {
-        let _lock = unroll_lock();
-        let p = GemmPlan { splits: 1, depth: 8 };
-        // 128 chunks over 8 warps; one block per cube.
-        let before = [1, 2, 3].map(|t| p.unroll_with(t, 1, 128, WARPS));
-        assert!(set_pipelined_products(true));
-        let piped = [1, 2, 3].map(|t| p.unroll_with(t, 1, 128, WARPS));
-        let shallow = GemmPlan { splits: 1, depth: 1 }.unroll_with(1, 1, 128, WARPS);
-        assert!(set_pipelined_products(false));
-        assert_eq!(before, [8, 4, 2]);
-        assert_eq!(piped, [4, 2, 2], "three tiles are not pipelined");
-        assert_eq!(shallow, 1, "never below one chunk");
     }
 
     #[test]

@@ -204,34 +204,6 @@ pub fn set_programmatic_trigger_port(enabled: bool) {
     let _ = enabled;
 }
 
-/// With [`set_programmatic_launch`], have the bf16 and FP8 products load the weights of their
-/// first unrolled step into registers before their wait (not only ask the L2 for them), for an
-/// A/B. Call before the process launches its first kernel; returns whether it took.
-#[doc(hidden)]
-pub fn set_programmatic_early_weights(enabled: bool) -> bool {
-    #[cfg(feature = "cuda")]
-    return cuda::pdl::set_early_weights(enabled);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = enabled;
-        false
-    }
-}
-
-/// With [`set_programmatic_launch`], have the bf16 and FP8 products ask the L2 for their
-/// weight rows before their wait (`true`, the default) or not, for an A/B. Call before the
-/// process launches its first kernel; returns whether it took.
-#[doc(hidden)]
-pub fn set_programmatic_weight_prefetch(enabled: bool) -> bool {
-    #[cfg(feature = "cuda")]
-    return cuda::pdl::set_weight_prefetch(enabled);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = enabled;
-        false
-    }
-}
-
 /// Programmatic dependencies recorded into graphs by this process so far (see
 /// [`set_programmatic_launch`]): for benchmarks and checks that the switch took effect.
 #[doc(hidden)]
@@ -326,7 +298,7 @@ pub fn kernels_enabled() -> bool {
 }
 
 pub use fp8::{Fp8Matrix, linear_fp8, linear_fp8_add_rms_norm, linear_fp8_swiglu};
-pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide, set_pipelined_products};
+pub use gemm_plan::{GemmPlan, force_mtiles, force_plan, force_unroll_wide};
 pub use graph::{
     DeviceGraph, GraphError, INT_VIEW_ALIGN, InputBuffer, graph_emulation, graphs_available, int_view,
     set_graph_emulation, set_graphs_enabled, write_floats_into, write_into,

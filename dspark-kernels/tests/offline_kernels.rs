@@ -52,15 +52,6 @@ fn models() -> Vec<ModelDims> {
 }
 
 fn sources() -> Vec<KernelSource> {
-    // `DSPARK_OFFLINE_EARLY=1` checks the products as built with early weights (an A/B of
-    // programmatic launches) instead; taken only before the first catalog of the process.
-    if std::env::var_os("DSPARK_OFFLINE_EARLY").is_some() {
-        dspark_kernels::set_programmatic_early_weights(true);
-    }
-    // `DSPARK_OFFLINE_PIPELINED=1`: the products as pipelined (`set_pipelined_products`).
-    if std::env::var_os("DSPARK_OFFLINE_PIPELINED").is_some() {
-        dspark_kernels::set_pipelined_products(true);
-    }
     let (ok, failed): (Vec<_>, Vec<_>) = offline::catalog(&models()).into_iter().partition(Result::is_ok);
     let failed: Vec<String> = failed.into_iter().map(Result::unwrap_err).collect();
     assert!(failed.is_empty(), "{} variants failed to transpile:\n{}", failed.len(), failed.join("\n"));

@@ -75,6 +75,7 @@ fn skinny_gemm_kernel(
     #[comptime] mtiles: usize,
     #[comptime] argmax: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -87,16 +88,6 @@ fn skinny_gemm_kernel(
     // This cube's range of chunks: `[first, first + chunks)`.
     let chunks = in_words / 4 / splits;
     let first = split * chunks;
-    let w_lo = (block * 16 * mtiles + g) * in_words + t;
-    let zero = Words::new(0u32);
-    // Weight words of the step in flight (`unroll` chunks of both rows of every block).
-    let mut wa = Array::<Words>::new(unroll * mtiles);
-    let mut wb = Array::<Words>::new(unroll * mtiles);
-    // The first weights asked for, the wait (see `start_product`).
-    start_product(
-        w, &mut wa, &mut wb, w_lo, in_words, first, chunks, block, warp, lane, zero, warps, unroll, mtiles,
-        tiles, argmax,
-    );
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
@@ -107,6 +98,9 @@ fn skinny_gemm_kernel(
     for j in 0..mtiles * tiles {
         acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
     }
+
+    let w_lo = (block * 16 * mtiles + g) * in_words + t;
+    let zero = Words::new(0u32);
 
     // With `argmax`, the base logits the epilogue adds, loaded now.
     let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
@@ -125,51 +119,16 @@ fn skinny_gemm_kernel(
     }
 
     let steps = chunks.div_ceil(warps * unroll);
-    // The first step whose weights the loop loads itself (not pipelined).
-    let from = if comptime![crate::cuda::pdl::early_weights() && !argmax] { 1usize } else { 0usize };
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows (this step's, or with early weights
-        //    all but the first step's, or pipelined the next step's) and of every activation row.
-        let mut na = Array::<Words>::new(unroll * mtiles);
-        let mut nb = Array::<Words>::new(unroll * mtiles);
-        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
-            load_step(
-                w,
-                &mut na,
-                &mut nb,
-                w_lo,
-                in_words,
-                first,
-                chunks,
-                step + 1,
-                warp,
-                zero,
-                warps,
-                unroll,
-                mtiles,
-            );
-        }
+        // 1. Loads: `unroll` chunks of both weight rows and of every activation row.
+        let mut wa = Array::<Words>::new(unroll * mtiles);
+        let mut wb = Array::<Words>::new(unroll * mtiles);
         let mut xs = Array::<Words>::new(unroll * tiles);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            // (Interleaved with the activation loads, as the kernel was tuned; with early
-            // weights from the second step on.)
-            if comptime![!crate::gemm_plan::pipelined_for(tiles) || argmax] && step >= from {
-                load_weight_blocks(
-                    w,
-                    &mut wa,
-                    &mut wb,
-                    w_lo,
-                    in_words,
-                    chunk,
-                    local < chunks,
-                    zero,
-                    u,
-                    mtiles,
-                );
-            }
+            load_weight_blocks(w, &mut wa, &mut wb, w_lo, in_words, chunk, local < chunks, zero, u, mtiles);
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
@@ -208,14 +167,6 @@ fn skinny_gemm_kernel(
                         acc[m * tiles + j] = c[0];
                     }
                 }
-            }
-        }
-        // Pipelined: the next step's words become this step's.
-        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
-            #[unroll]
-            for i in 0..unroll * mtiles {
-                wa[i] = na[i];
-                wb[i] = nb[i];
             }
         }
     }
@@ -473,81 +424,6 @@ pub(crate) fn load_weight_blocks(
             wa[u * mtiles + m] = zero;
             wb[u * mtiles + m] = zero;
         }
-    }
-}
-
-/// The start of a product kernel (bf16 or FP8; `w_words` 16-byte words a weight row, 4 a
-/// chunk, the cube's weight rows from `16 · mtiles · block`): the weight reads allowed before
-/// the grids it depends on have finished, then [`dependency_wait`](crate::cuda::pdl::dependency_wait).
-/// With the wait, the cube's weight lines are asked of the L2 (not with the argmax epilogue,
-/// whose registers are tight; see `pdl::prefetch_weight_rows`), and with early weights (an A/B,
-/// `pdl::early_weights`) the first step's words are loaded into `wa`/`wb` before it. Pipelined
-/// (an A/B, `gemm_plan::pipelined_for`), each step loads the next step's words before it
-/// multiplies its own, so the first step's are loaded here, after the wait if not before.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn start_product(
-    w: &[Words],
-    wa: &mut Array<Words>,
-    wb: &mut Array<Words>,
-    w_lo: usize,
-    w_words: usize,
-    first: usize,
-    chunks: usize,
-    block: usize,
-    warp: usize,
-    lane: usize,
-    zero: Words,
-    #[comptime] warps: usize,
-    #[comptime] unroll: usize,
-    #[comptime] mtiles: usize,
-    #[comptime] tiles: usize,
-    #[comptime] argmax: bool,
-) {
-    if comptime![crate::cuda::pdl::early_weights() && !argmax] {
-        load_step(w, wa, wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles);
-    }
-    if comptime![!argmax] {
-        crate::cuda::pdl::prefetch_weight_rows::<Words>(
-            w,
-            block * 16 * mtiles,
-            16 * mtiles,
-            w_words,
-            first * 4,
-            chunks * 4,
-            warp * 32 + lane,
-            warps * 32,
-        );
-    }
-    crate::cuda::pdl::dependency_wait();
-    if comptime![crate::gemm_plan::pipelined_for(tiles) && !crate::cuda::pdl::early_weights() && !argmax] {
-        load_step(w, wa, wb, w_lo, w_words, first, chunks, 0usize, warp, zero, warps, unroll, mtiles);
-    }
-}
-
-/// The weight words of step `step` of warp `warp` (chunks `first + (step · unroll + u) · warps
-/// + warp` for `u < unroll`, zero past the cube's `chunks`) into `wa`/`wb`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn load_step(
-    w: &[Words],
-    wa: &mut Array<Words>,
-    wb: &mut Array<Words>,
-    w_lo: usize,
-    w_words: usize,
-    first: usize,
-    chunks: usize,
-    step: usize,
-    warp: usize,
-    zero: Words,
-    #[comptime] warps: usize,
-    #[comptime] unroll: usize,
-    #[comptime] mtiles: usize,
-) {
-    #[unroll]
-    for u in 0..unroll {
-        let local = (step * unroll + u) * warps + warp;
-        load_weight_blocks(w, wa, wb, w_lo, w_words, first + local, local < chunks, zero, u, mtiles);
     }
 }
 

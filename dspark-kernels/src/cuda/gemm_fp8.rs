@@ -39,7 +39,7 @@ use half::bf16;
 
 use super::gemm::{
     MARKOV_SLOTS, MAX_ROWS, Product, SLOT_STRIDE, Weights, argmax_candidate, argmax_prefetch, combine_splits,
-    load_step, load_weight_blocks, plan, split_scratch, start_product, swiglu_epilogue,
+    load_weight_blocks, plan, split_scratch, swiglu_epilogue,
 };
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
@@ -92,6 +92,7 @@ fn fp8_gemm_kernel(
     #[comptime] swiglu: bool,
     #[comptime] argmax: bool,
 ) {
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -106,16 +107,6 @@ fn fp8_gemm_kernel(
     let chunks = x_words / 8 / splits;
     let first = split * chunks;
     let scale_cols = scale_cols as usize;
-    let w_lo = (block * 16 * mtiles + g) * w_words + t;
-    let zero = Words::new(0u32);
-    // Weight words of the step in flight (`unroll` chunks of both rows of every block).
-    let mut wa = Array::<Words>::new(unroll * mtiles);
-    let mut wb = Array::<Words>::new(unroll * mtiles);
-    // The first weights asked for, the wait (see `start_product`).
-    start_product(
-        w, &mut wa, &mut wb, w_lo, w_words, first, chunks, block, warp, lane, zero, warps, unroll, mtiles,
-        tiles, argmax,
-    );
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
@@ -126,6 +117,9 @@ fn fp8_gemm_kernel(
     for j in 0..mtiles * tiles {
         acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
     }
+
+    let w_lo = (block * 16 * mtiles + g) * w_words + t;
+    let zero = Words::new(0u32);
 
     // With `argmax`, the base logits the epilogue adds, loaded now.
     let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
@@ -144,52 +138,17 @@ fn fp8_gemm_kernel(
     }
 
     let steps = chunks.div_ceil(warps * unroll);
-    // The first step whose weights the loop loads itself (not pipelined).
-    let from = if comptime![crate::cuda::pdl::early_weights() && !argmax] { 1usize } else { 0usize };
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each; this
-        //    step's, or with early weights all but the first step's, or pipelined the next
-        //    step's) and of every activation row (two words each).
-        let mut na = Array::<Words>::new(unroll * mtiles);
-        let mut nb = Array::<Words>::new(unroll * mtiles);
-        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
-            load_step(
-                w,
-                &mut na,
-                &mut nb,
-                w_lo,
-                w_words,
-                first,
-                chunks,
-                step + 1,
-                warp,
-                zero,
-                warps,
-                unroll,
-                mtiles,
-            );
-        }
+        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each) and of
+        //    every activation row (two words each).
+        let mut wa = Array::<Words>::new(unroll * mtiles);
+        let mut wb = Array::<Words>::new(unroll * mtiles);
         let mut xs = Array::<Words>::new(unroll * tiles * 2);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            // (Interleaved with the activation loads, as the kernel was tuned; with early
-            // weights from the second step on.)
-            if comptime![!crate::gemm_plan::pipelined_for(tiles) || argmax] && step >= from {
-                load_weight_blocks(
-                    w,
-                    &mut wa,
-                    &mut wb,
-                    w_lo,
-                    w_words,
-                    chunk,
-                    local < chunks,
-                    zero,
-                    u,
-                    mtiles,
-                );
-            }
+            load_weight_blocks(w, &mut wa, &mut wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
@@ -260,14 +219,6 @@ fn fp8_gemm_kernel(
                         acc[m * tiles + j] = part[m * tiles + j];
                     }
                 }
-            }
-        }
-        // Pipelined: the next step's words become this step's.
-        if comptime![crate::gemm_plan::pipelined_for(tiles) && !argmax] {
-            #[unroll]
-            for i in 0..unroll * mtiles {
-                wa[i] = na[i];
-                wb[i] = nb[i];
             }
         }
     }

@@ -25,19 +25,20 @@
 //! element-wise kernels) keep plain edges; as the kernel *before* a programmatic edge any kernel
 //! will do, since the waiting is the dependent's.
 //!
-//! The product kernels (bf16 and FP8 skinny GEMMs, but for a Markov step's argmax epilogue)
-//! first ask the L2 for their own weight rows ([`prefetch_weight_rows`]) and only then wait:
-//! weights are never written by the grids they wait for, and a product's fixed cost is mostly
-//! the first round trip of its weight (`benches/results/2026-12-07-h100-pdl-loop3.md`, where the
-//! wait alone moved the step by 1–1.4 %).
-//!
-//! As an A/B ([`set_early_weights`]) they may also load the weight words of their first
-//! unrolled step into registers before the wait, so that the first mma waits for no DRAM trip.
-//!
 //! Whether kernels carry the wait is fixed at the process's first launch of one of them: with
 //! the switch on and a Hopper device (compute capability 9 or later) they do, otherwise they are
 //! built exactly as without this module, and the switch can no longer be turned on. Outside a
 //! recording the instruction is a no-op (a grid launched without a programmatic dependency).
+//!
+//! # What it is worth
+//! On the H100 the edges alone move a Qwen3-8B step by 1–2 % at most
+//! (`benches/results/2026-12-07-h100-pdl-loop3.md`), so they stay off by default. Three ways of
+//! using the head start were measured and removed (`2026-12-07-h100-early-pipelined.md`): the
+//! products asking the L2 for their weight rows before the wait (the rows of a product placed
+//! early were evicted by the running product's stream: step 7.6 ms against 6.0–6.1), loading
+//! their first step's weights into registers before it (6.5–6.6 ms, the FP8 proposal 1.08
+//! against 0.90 ms: early cubes hold SM room and DRAM requests the running kernel needs), and
+//! pipelining every product's weight loads one step ahead (6.43 against 6.07 ms).
 //!
 //! # Reaching the stream
 //! The capturing `CUstream` belongs to CubeCL's CUDA server. [`before_launch`] runs a task on the
@@ -89,51 +90,6 @@ pub(crate) fn edges() -> usize {
     EDGES.load(Ordering::Relaxed)
 }
 
-/// Product kernels load their first step's weights into registers before the wait, asked for
-/// (see [`set_early_weights`]).
-static EARLY: AtomicBool = AtomicBool::new(false);
-
-/// Have the product kernels load their first step's weight words into registers before the
-/// wait (besides the L2 prefetch of the rest), for an A/B. Read at kernel expansion like
-/// [`kernels_wait`], so it is refused (`false`) once a kernel of this crate was launched.
-pub(crate) fn set_early_weights(on: bool) -> bool {
-    if launched() {
-        return false;
-    }
-    EARLY.store(on, Ordering::Relaxed);
-    true
-}
-
-/// Whether the product kernels load their first step's weights before the wait: kernels carry
-/// the wait and [`set_early_weights`] asked for it before the first launch.
-pub(crate) fn early_weights() -> bool {
-    kernels_wait() && EARLY.load(Ordering::Relaxed)
-}
-
-/// Product kernels ask the L2 for their weight rows before the wait (see
-/// [`set_weight_prefetch`]); on unless turned off.
-static PREFETCH: AtomicBool = AtomicBool::new(true);
-
-/// Have the product kernels ask the L2 for their weight rows before the wait ([`prefetch_weight_rows`],
-/// the default with programmatic launches) or not, for an A/B: on the H100 (2026-12-07) the
-/// step with programmatic edges and the prefetch took 7.1–7.6 ms against 6.1–6.2 without
-/// either, as if the next product's prefetched rows were evicted by the current product's
-/// stream before use. Read at kernel expansion like [`kernels_wait`], so it is refused
-/// (`false`) once a kernel of this crate was launched.
-pub(crate) fn set_weight_prefetch(on: bool) -> bool {
-    if launched() {
-        return false;
-    }
-    PREFETCH.store(on, Ordering::Relaxed);
-    true
-}
-
-/// Whether a kernel of this crate was launched (or the offline catalog built): switches read
-/// at kernel expansion are fixed from then on.
-pub(crate) fn launched() -> bool {
-    WAITS.load(Ordering::Relaxed) != 0
-}
-
 /// Whether the kernels start with `griddepcontrol.wait`: fixed by the first launch
 /// ([`before_launch`]) or by [`assume_hopper`]. Read at kernel expansion, which for every kernel
 /// follows its first launch call; it never changes afterwards, so a compiled kernel's body does
@@ -156,47 +112,6 @@ pub(crate) fn dependency_wait() {
     if comptime![kernels_wait()] {
         gpu_asm!("griddepcontrol.wait;");
         gpu_asm!("griddepcontrol.launch_dependents;");
-    }
-}
-
-/// Asks the L2 for the 128-byte line holding `src` (no register, no wait).
-#[cube]
-fn prefetch_l2<S: CubePrimitive>(src: *const S) {
-    gpu_asm!("prefetch.global.L2 [{}];", in(_) src);
-}
-
-/// Before [`dependency_wait`] in a product kernel: this thread's share (`id` of `threads`) of
-/// the 128-byte lines of the cube's weight rows `row0 .. row0 + rows` (a row every `row_words`
-/// 16-byte words), columns `first_word .. first_word + words`, asked of the L2. Weights are
-/// never written by the grids a kernel waits for, so reading them before the wait is safe; the
-/// lines then arrive while the kernel before still runs. Only when kernels carry the wait.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn prefetch_weight_rows<S: CubePrimitive>(
-    w: &[S],
-    row0: usize,
-    rows: usize,
-    row_words: usize,
-    first_word: usize,
-    words: usize,
-    id: usize,
-    #[comptime] threads: usize,
-) {
-    if comptime![kernels_wait() && PREFETCH.load(Ordering::Relaxed)] {
-        let per_row = words.div_ceil(8);
-        let lines = rows * per_row;
-        let rounds = lines.div_ceil(threads);
-        for k in 0..rounds {
-            let i = k * threads + id;
-            if i < lines {
-                let at = (row0 + i / per_row) * row_words + first_word + (i % per_row) * 8;
-                // SAFETY: `at` is a word of the cube's own weight rows (callers pass rows and
-                // columns inside the matrix).
-                unsafe {
-                    prefetch_l2::<S>(w.slice(at, at + 1).as_ptr_unchecked());
-                }
-            }
-        }
     }
 }
 
