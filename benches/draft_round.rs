@@ -129,10 +129,8 @@ struct Args {
     /// Record graphs with programmatic dependencies between the kernels (`on`: from the kernel
     /// before's launch-completion port; `trigger`: from its programmatic port) or plain edges
     /// (`off`, the library's default; `dspark_kernels::set_programmatic_launch`), for an A/B
-    /// across processes; the column then reads `(PDL)` or `(PDL, trigger)`. `late`: as
-    /// `trigger`, but the products trigger after their main loop and load their first weights
-    /// before their wait (`dspark_kernels::set_programmatic_late_trigger`), `(PDL, late)`.
-    #[arg(long, default_value = "off", value_parser = ["on", "trigger", "late", "off"])]
+    /// across processes; the column then reads `(PDL)` or `(PDL, trigger)`.
+    #[arg(long, default_value = "off", value_parser = ["on", "trigger", "off"])]
     pdl: String,
     /// Launch the bf16 products of 17–24 rows (a γ = 16 block or verify window) as four
     /// activation tiles (`on`, the library's default) or three (`off`), for an A/B
@@ -311,11 +309,7 @@ fn switches(args: &Args) -> String {
         label += &format!(" (norm {} threads)", args.norm_threads);
     }
     if args.pdl != "off" {
-        label += match args.pdl.as_str() {
-            "trigger" => " (PDL, trigger)",
-            "late" => " (PDL, late)",
-            _ => " (PDL)",
-        };
+        label += if args.pdl == "trigger" { " (PDL, trigger)" } else { " (PDL)" };
     }
     if args.pad_tiles == "off" {
         label += " (3 tiles at 17-24 rows)";
@@ -333,8 +327,7 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_attention_min_chunk(args.attn_min_chunk.parse().unwrap_or(32));
     dspark_kernels::set_norm_threads(args.norm_threads.parse().unwrap_or(1024));
     dspark_kernels::set_programmatic_launch(args.pdl != "off");
-    dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger" || args.pdl == "late");
-    dspark_kernels::set_programmatic_late_trigger(args.pdl == "late");
+    dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger");
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
     if args.emulate_graphs {

@@ -9,12 +9,9 @@
 #   bench: bench-draft γ = 7c, FP8 + FP8 head, 20 repetitions: PDL trigger, off, on, off, trigger
 #          (one process each: the switch applies to graphs recorded after it is set).
 #   ab:    bench-draft-old against bench-draft with PDL off, then on (same layout).
-#   late:  bench-draft with PDL late (products trigger after their main loop and load their
-#          first weights before the wait), off, trigger, late, off; then gpu_golden with
-#          `pdl-late`: recorded = op by op, the FP8 draft lossless, batch invariance.
 # Every phase packs what it wrote under $OUT into one archive ($OUT/pdl.tgz): a call returns
 # only a few files.
-# Usage: benches/gpu_pdl.sh check|bench|ab|all|late
+# Usage: benches/gpu_pdl.sh check|bench|ab|all
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -36,14 +33,9 @@ case "$PHASE" in
 check) check ;;
 bench) for p in trigger off on off trigger; do draft bench-draft --pdl "$p"; done ;;
 ab) draft bench-draft-old; draft bench-draft --pdl off; draft bench-draft --pdl on ;;
-late)
-    for p in late off trigger late off; do draft bench-draft --pdl "$p"; done
-    DSPARK_GPU_SWITCHES=pdl-late gpu_test gpu_golden 240 gpu_golden-pdl-late.log qwen3_8b_shapes_recorded \
-        qwen3_8b_shapes_fp8 qwen3_8b_shapes_are_batch_invariant
-    ;;
 all) check; for p in off trigger; do draft bench-draft --pdl "$p"; done; draft bench-draft-old ;;
 *)
-    echo "usage: $0 check|bench|ab|all|late" >&2
+    echo "usage: $0 check|bench|ab|all" >&2
     exit 2
     ;;
 esac

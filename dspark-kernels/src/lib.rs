@@ -204,21 +204,6 @@ pub fn set_programmatic_trigger_port(enabled: bool) {
     let _ = enabled;
 }
 
-/// With [`set_programmatic_launch`] from the programmatic port, have the bf16 and FP8 products
-/// let their dependents launch after their main loop rather than at their start, and load their
-/// first step's weights before their wait, for an A/B. Call before the process launches its
-/// first kernel; returns whether it took.
-#[doc(hidden)]
-pub fn set_programmatic_late_trigger(enabled: bool) -> bool {
-    #[cfg(feature = "cuda")]
-    return cuda::pdl::set_late_trigger(enabled);
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = enabled;
-        false
-    }
-}
-
 /// Programmatic dependencies recorded into graphs by this process so far (see
 /// [`set_programmatic_launch`]): for benchmarks and checks that the switch took effect.
 #[doc(hidden)]

@@ -52,11 +52,6 @@ fn models() -> Vec<ModelDims> {
 }
 
 fn sources() -> Vec<KernelSource> {
-    // `DSPARK_OFFLINE_LATE=1` checks the products as built with a late trigger and early
-    // weights (an A/B of programmatic launches); taken only before the first catalog.
-    if std::env::var_os("DSPARK_OFFLINE_LATE").is_some() {
-        dspark_kernels::set_programmatic_late_trigger(true);
-    }
     let (ok, failed): (Vec<_>, Vec<_>) = offline::catalog(&models()).into_iter().partition(Result::is_ok);
     let failed: Vec<String> = failed.into_iter().map(Result::unwrap_err).collect();
     assert!(failed.is_empty(), "{} variants failed to transpile:\n{}", failed.len(), failed.join("\n"));

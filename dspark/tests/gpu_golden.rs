@@ -25,9 +25,7 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `serial-draws` for `dspark_kernels::set_parallel_draws`, `fused-markov` / `unfused-markov` for
 /// `dspark_kernels::set_fused_markov`, `markov-loop` / `no-markov-loop` for
 /// `dspark_kernels::set_markov_loop`, `pdl` / `no-pdl` for
-/// `dspark_kernels::set_programmatic_launch`, `pdl-late` for the same from the programmatic port
-/// with the products triggering late and loading their first weights before the wait, which
-/// only the process's first test can still ask for), so that one build checks a switch either way: before it
+/// `dspark_kernels::set_programmatic_launch`), so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced. Unset: the library's defaults (every switch
 /// above on but programmatic launches, 1024 norm threads). An unknown name fails the test rather than being ignored.
 fn staged_switches() {
@@ -50,12 +48,6 @@ fn staged_switches() {
             "no-markov-loop" => dspark_kernels::set_markov_loop(false),
             "pdl" => assert!(dspark_kernels::set_programmatic_launch(true)),
             "no-pdl" => assert!(dspark_kernels::set_programmatic_launch(false)),
-            "pdl-late" => {
-                assert!(dspark_kernels::set_programmatic_launch(true));
-                dspark_kernels::set_programmatic_trigger_port(true);
-                // Taken before the process's first launch; kept (refused again) after it.
-                let _ = dspark_kernels::set_programmatic_late_trigger(true);
-            }
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
                 Some(n) if dspark_kernels::set_norm_threads(n) => {}
                 _ => panic!("DSPARK_GPU_SWITCHES: unknown switch {other:?}"),

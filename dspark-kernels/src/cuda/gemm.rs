@@ -75,10 +75,7 @@ fn skinny_gemm_kernel(
     #[comptime] mtiles: usize,
     #[comptime] argmax: bool,
 ) {
-    // The wait first, as every kernel's (with a late trigger, after the early loads below).
-    if comptime![!crate::cuda::pdl::late_trigger()] {
-        crate::cuda::pdl::product_wait();
-    }
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -91,14 +88,6 @@ fn skinny_gemm_kernel(
     // This cube's range of chunks: `[first, first + chunks)`.
     let chunks = in_words / 4 / splits;
     let first = split * chunks;
-    // With a late trigger (an A/B), the first step's weight words before the wait.
-    let mut ea = Array::<Words>::new(unroll * mtiles);
-    let mut eb = Array::<Words>::new(unroll * mtiles);
-    if comptime![crate::cuda::pdl::late_trigger()] {
-        let w_lo = (block * 16 * mtiles + g) * in_words + t;
-        early_step(w, &mut ea, &mut eb, w_lo, in_words, first, chunks, warp, warps, unroll, mtiles, argmax);
-        crate::cuda::pdl::product_wait();
-    }
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
@@ -139,22 +128,7 @@ fn skinny_gemm_kernel(
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            if comptime![crate::cuda::pdl::late_trigger() && !argmax] && step == 0 {
-                take_early(&ea, &eb, &mut wa, &mut wb, u, mtiles);
-            } else {
-                load_weight_blocks(
-                    w,
-                    &mut wa,
-                    &mut wb,
-                    w_lo,
-                    in_words,
-                    chunk,
-                    local < chunks,
-                    zero,
-                    u,
-                    mtiles,
-                );
-            }
+            load_weight_blocks(w, &mut wa, &mut wb, w_lo, in_words, chunk, local < chunks, zero, u, mtiles);
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
@@ -196,8 +170,6 @@ fn skinny_gemm_kernel(
             }
         }
     }
-
-    crate::cuda::pdl::allow_dependents();
 
     // 3. Partial sums of every warp into shared memory, laid out
     //    [warp][weight block][tile][x row][weight row].
@@ -452,53 +424,6 @@ pub(crate) fn load_weight_blocks(
             wa[u * mtiles + m] = zero;
             wb[u * mtiles + m] = zero;
         }
-    }
-}
-
-/// With a late trigger ([`crate::cuda::pdl::late_trigger`], an A/B; not with the argmax
-/// epilogue), the weight words of the first step of warp `warp` (chunks `first + u · warps +
-/// warp` for `u < unroll`, zero past the cube's `chunks`) into `ea`/`eb`, before the product's
-/// wait: weights are never written by the grids it waits for.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn early_step(
-    w: &[Words],
-    ea: &mut Array<Words>,
-    eb: &mut Array<Words>,
-    w_lo: usize,
-    w_words: usize,
-    first: usize,
-    chunks: usize,
-    warp: usize,
-    #[comptime] warps: usize,
-    #[comptime] unroll: usize,
-    #[comptime] mtiles: usize,
-    #[comptime] argmax: bool,
-) {
-    if comptime![crate::cuda::pdl::late_trigger() && !argmax] {
-        let zero = Words::new(0u32);
-        #[unroll]
-        for u in 0..unroll {
-            let local = u * warps + warp;
-            load_weight_blocks(w, ea, eb, w_lo, w_words, first + local, local < chunks, zero, u, mtiles);
-        }
-    }
-}
-
-/// Slot `u` of the first step's weight words, loaded by [`early_step`], as the step's own.
-#[cube]
-pub(crate) fn take_early(
-    ea: &Array<Words>,
-    eb: &Array<Words>,
-    wa: &mut Array<Words>,
-    wb: &mut Array<Words>,
-    #[comptime] u: usize,
-    #[comptime] mtiles: usize,
-) {
-    #[unroll]
-    for m in 0..mtiles {
-        wa[u * mtiles + m] = ea[u * mtiles + m];
-        wb[u * mtiles + m] = eb[u * mtiles + m];
     }
 }
 

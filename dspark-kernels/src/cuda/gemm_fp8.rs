@@ -39,7 +39,7 @@ use half::bf16;
 
 use super::gemm::{
     MARKOV_SLOTS, MAX_ROWS, Product, SLOT_STRIDE, Weights, argmax_candidate, argmax_prefetch, combine_splits,
-    early_step, load_weight_blocks, plan, split_scratch, swiglu_epilogue, take_early,
+    load_weight_blocks, plan, split_scratch, swiglu_epilogue,
 };
 use crate::fp8::{BLOCK, Fp8Matrix, ScaleGrid};
 
@@ -92,10 +92,7 @@ fn fp8_gemm_kernel(
     #[comptime] swiglu: bool,
     #[comptime] argmax: bool,
 ) {
-    // The wait first, as every kernel's (with a late trigger, after the early loads below).
-    if comptime![!crate::cuda::pdl::late_trigger()] {
-        crate::cuda::pdl::product_wait();
-    }
+    crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
@@ -110,14 +107,6 @@ fn fp8_gemm_kernel(
     let chunks = x_words / 8 / splits;
     let first = split * chunks;
     let scale_cols = scale_cols as usize;
-    // With a late trigger (an A/B), the first step's weight words before the wait.
-    let mut ea = Array::<Words>::new(unroll * mtiles);
-    let mut eb = Array::<Words>::new(unroll * mtiles);
-    if comptime![crate::cuda::pdl::late_trigger()] {
-        let w_lo = (block * 16 * mtiles + g) * w_words + t;
-        early_step(w, &mut ea, &mut eb, w_lo, w_words, first, chunks, warp, warps, unroll, mtiles, argmax);
-        crate::cuda::pdl::product_wait();
-    }
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
@@ -159,22 +148,7 @@ fn fp8_gemm_kernel(
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            if comptime![crate::cuda::pdl::late_trigger() && !argmax] && step == 0 {
-                take_early(&ea, &eb, &mut wa, &mut wb, u, mtiles);
-            } else {
-                load_weight_blocks(
-                    w,
-                    &mut wa,
-                    &mut wb,
-                    w_lo,
-                    w_words,
-                    chunk,
-                    local < chunks,
-                    zero,
-                    u,
-                    mtiles,
-                );
-            }
+            load_weight_blocks(w, &mut wa, &mut wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
@@ -248,8 +222,6 @@ fn fp8_gemm_kernel(
             }
         }
     }
-
-    crate::cuda::pdl::allow_dependents();
 
     // 3. Partial sums of every warp into shared memory,
     //    [warp][weight block][tile][x row][weight row].

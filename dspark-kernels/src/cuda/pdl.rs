@@ -98,38 +98,6 @@ pub(crate) fn kernels_wait() -> bool {
     WAITS.load(Ordering::Relaxed) == 2
 }
 
-/// Product kernels trigger their dependents after their main loop instead of at their start,
-/// and load their first step's weights before their wait (see [`set_late_trigger`]).
-static LATE: AtomicBool = AtomicBool::new(false);
-
-/// Have the bf16 and FP8 products let their dependents launch only once their main loop is
-/// done (`griddepcontrol.launch_dependents` before the epilogue), and load their first step's
-/// weight words before their wait, for an A/B with edges from the programmatic port. Triggered
-/// at the start, a product's dependents are placed while it streams, and their early loads
-/// took SM room and DRAM requests from it (`benches/results/2026-12-07-h100-early-pipelined.md`);
-/// triggered late, they are placed in its tail only, where the next product's first DRAM trip
-/// and launch can hide. Read at kernel expansion like [`kernels_wait`], so it is refused
-/// (`false`) once a kernel of this crate was launched.
-pub(crate) fn set_late_trigger(on: bool) -> bool {
-    if launched() {
-        return false;
-    }
-    LATE.store(on, Ordering::Relaxed);
-    true
-}
-
-/// Whether the products trigger late and load early ([`set_late_trigger`]): kernels carry the
-/// wait and the switch was on before the first launch.
-pub(crate) fn late_trigger() -> bool {
-    kernels_wait() && LATE.load(Ordering::Relaxed)
-}
-
-/// Whether a kernel of this crate was launched (or the offline catalog built): switches read at
-/// kernel expansion are fixed from then on.
-pub(crate) fn launched() -> bool {
-    WAITS.load(Ordering::Relaxed) != 0
-}
-
 /// Expand kernels for a Hopper device without one (the offline sm_90a compile checks).
 pub(crate) fn assume_hopper() {
     let _ = WAITS.compare_exchange(0, 2, Ordering::Relaxed, Ordering::Relaxed);
@@ -143,27 +111,6 @@ pub(crate) fn assume_hopper() {
 pub(crate) fn dependency_wait() {
     if comptime![kernels_wait()] {
         gpu_asm!("griddepcontrol.wait;");
-        gpu_asm!("griddepcontrol.launch_dependents;");
-    }
-}
-
-/// [`dependency_wait`] for the bf16 and FP8 products: with [`late_trigger`] the wait alone
-/// (their [`allow_dependents`] comes after the main loop).
-#[cube]
-pub(crate) fn product_wait() {
-    if comptime![kernels_wait()] {
-        gpu_asm!("griddepcontrol.wait;");
-        if comptime![!late_trigger()] {
-            gpu_asm!("griddepcontrol.launch_dependents;");
-        }
-    }
-}
-
-/// After a product's main loop: let the grids that depend on it be launched, when
-/// [`late_trigger`] (otherwise [`product_wait`] did).
-#[cube]
-pub(crate) fn allow_dependents() {
-    if comptime![late_trigger()] {
         gpu_asm!("griddepcontrol.launch_dependents;");
     }
 }
