@@ -32,13 +32,15 @@
 //!
 //! # What it is worth
 //! On the H100 the edges alone move a Qwen3-8B step by 1–2 % at most
-//! (`benches/results/2026-12-07-h100-pdl-loop3.md`), so they stay off by default. Three ways of
+//! (`benches/results/2026-12-07-h100-pdl-loop3.md`), so they stay off by default. Four ways of
 //! using the head start were measured and removed (`2026-12-07-h100-early-pipelined.md`): the
 //! products asking the L2 for their weight rows before the wait (the rows of a product placed
 //! early were evicted by the running product's stream: step 7.6 ms against 6.0–6.1), loading
 //! their first step's weights into registers before it (6.5–6.6 ms, the FP8 proposal 1.08
 //! against 0.90 ms: early cubes hold SM room and DRAM requests the running kernel needs), and
-//! pipelining every product's weight loads one step ahead (6.43 against 6.07 ms).
+//! pipelining every product's weight loads one step ahead (6.43 against 6.07 ms); and products
+//! that trigger their dependents only after their main loop, with early weights (6.12–6.19
+//! against 6.04–6.06 ms, the proposal 1.09 against 0.94–0.95).
 //!
 //! # Reaching the stream
 //! The capturing `CUstream` belongs to CubeCL's CUDA server. [`before_launch`] runs a task on the
