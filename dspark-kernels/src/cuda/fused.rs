@@ -34,12 +34,15 @@ fn on_cuda(t: &Tensor<2>) -> bool {
 /// the residual add and the norm are then one launch, with the same bits as three.
 ///
 /// One cube per row; `x`, `delta`, `sum`, `out`: `[rows, d]`, `w`: `[d]`, bf16, contiguous.
+/// (`delta` and `parts` are only read; they are taken `&mut` because [`norm_delta`], which reads
+/// them, also serves [`norm_row_staged`], whose chained launch writes them; see
+/// [`super::chain`].)
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rms_norm_kernel(
     x: &[bf16],
-    delta: &[bf16],
-    parts: &[f32],
+    delta: &mut [bf16],
+    parts: &mut [f32],
     w: &[bf16],
     sum: &mut [bf16],
     out: &mut [bf16],
@@ -54,76 +57,241 @@ fn rms_norm_kernel(
     crate::cuda::pdl::dependency_wait();
     let row = CUBE_POS_X as usize;
     let tid = UNIT_POS as usize;
+    let per = comptime!(d.div_ceil(threads));
+    let mut vals = Array::<f32>::new(per);
+    let mut ws = Array::<f32>::new(per);
+    norm_row_loads(x, w, row, tid, &mut vals, &mut ws, d, threads, threads);
+    norm_row_finish(
+        delta, parts, sum, out, &mut vals, &ws, eps, inv_d, parts_len, row, tid, d, residual, splits,
+        threads, threads,
+    );
+}
+
+/// The first reads of row `row`'s RMSNorm by thread `tid` of `threads` (each the
+/// `virt / threads` virtual threads `tid + threads·q` of a cube of `virt`: slot
+/// `q·per + j` holds element `j·virt + tid + threads·q`, `per = ⌈d / virt⌉`): its elements of
+/// `x` and of the weight `w`, as f32 (0 past `d`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_row_loads(
+    x: &[bf16],
+    w: &[bf16],
+    row: usize,
+    tid: usize,
+    vals: &mut Array<f32>,
+    ws: &mut Array<f32>,
+    #[comptime] d: usize,
+    #[comptime] threads: usize,
+    #[comptime] virt: usize,
+) {
     let base = row * d;
-    let per_thread = comptime!(d.div_ceil(threads));
-    // 1. Every read of this thread first (its elements, their deltas, its weights), with no
-    //    store in between: the stores to `sum` could alias them as far as the compiler knows,
-    //    so reads issued after a store would each wait for the one before (measured: 9.7 µs
-    //    instead of about 3 for one 4096-wide row with a two-way split delta).
-    let mut vals = Array::<f32>::new(per_thread);
-    let mut ds = Array::<f32>::new(per_thread);
-    let mut ws = Array::<f32>::new(per_thread);
+    let per = comptime!(d.div_ceil(virt));
     #[unroll]
-    for j in 0..per_thread {
-        let i = j * threads + tid;
-        vals[j] = 0.0f32;
-        ds[j] = 0.0f32;
-        ws[j] = 0.0f32;
-        if i < d {
-            ws[j] = f32::cast_from(w[i]);
-            vals[j] = f32::cast_from(x[base + i]);
-            if residual {
-                // The delta: bf16, or the f32 sums of a split product added in split order and
-                // rounded once, as the product's own combine would have written it.
-                ds[j] = if comptime![splits > 0] {
-                    let mut acc = parts[base + i];
-                    #[unroll]
-                    for p in 1..splits {
-                        acc += parts[p * parts_len as usize + base + i];
-                    }
-                    f32::cast_from(bf16::cast_from(acc))
-                } else {
-                    f32::cast_from(delta[base + i])
-                };
-            }
-        }
-    }
-    // 1b. The residual add (stored), and the sum of squares in order.
-    let mut part = 0.0f32;
-    #[unroll]
-    for j in 0..per_thread {
-        let i = j * threads + tid;
-        let mut v = vals[j];
-        if residual {
-            let s = bf16::cast_from(v + ds[j]);
+    for q in 0..virt / threads {
+        #[unroll]
+        for j in 0..per {
+            let i = j * virt + tid + q * threads;
+            vals[q * per + j] = 0.0f32;
+            ws[q * per + j] = 0.0f32;
             if i < d {
-                sum[base + i] = s;
+                ws[q * per + j] = f32::cast_from(w[i]);
+                vals[q * per + j] = f32::cast_from(x[base + i]);
             }
-            v = f32::cast_from(s);
         }
-        vals[j] = v;
-        part += v * v;
     }
-    // 2. Warp butterfly, then the warps in order.
-    let warp_sum = plane_sum(part);
-    let mut partial = Shared::<[f32]>::new_slice(threads / 32);
-    if tid.is_multiple_of(32) {
-        partial[tid / 32] = warp_sum;
+}
+
+/// The rest of [`rms_norm_kernel`]'s row after [`norm_row_loads`]: with `residual`, the delta
+/// (bf16 from `delta`, or the split sums of `parts` added in split order and rounded once) is
+/// added, rounded and stored to `sum`; then the sum of squares of the row as a cube of `virt`
+/// threads makes it (each virtual thread's elements in order, a warp butterfly per virtual
+/// warp, the virtual warps in order), whatever `threads` actually run it, so a row gets the same
+/// bits from a cube of 256 threads as from one of `virt`; then the normalised row, rounded,
+/// times the weight, rounded, to `out`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn norm_row_finish(
+    delta: &mut [bf16],
+    parts: &mut [f32],
+    sum: &mut [bf16],
+    out: &mut [bf16],
+    vals: &mut Array<f32>,
+    ws: &Array<f32>,
+    eps: f32,
+    inv_d: f32,
+    parts_len: u32,
+    row: usize,
+    tid: usize,
+    #[comptime] d: usize,
+    #[comptime] residual: bool,
+    #[comptime] splits: usize,
+    #[comptime] threads: usize,
+    #[comptime] virt: usize,
+) {
+    let base = row * d;
+    let per = comptime!(d.div_ceil(virt));
+    let groups = comptime!(virt / threads);
+    // 1. The deltas: every read before any store (the stores to `sum` could alias them as far
+    //    as the compiler knows, so reads issued after a store would each wait for the one before;
+    //    measured: 9.7 µs instead of about 3 for one 4096-wide row with a two-way split delta).
+    let mut ds = Array::<f32>::new(groups * per);
+    #[unroll]
+    for q in 0..groups {
+        #[unroll]
+        for j in 0..per {
+            let i = j * virt + tid + q * threads;
+            ds[q * per + j] = 0.0f32;
+            // `residual` is a compile-time choice, not a run-time operand of `&&`.
+            #[allow(clippy::collapsible_if)]
+            if i < d {
+                if residual {
+                    ds[q * per + j] = norm_delta(delta, parts, base + i, parts_len, splits);
+                }
+            }
+        }
+    }
+    // 2. The residual add (stored), each virtual thread's sum of squares in order, a warp
+    //    butterfly per virtual warp, then the virtual warps in order.
+    let mut partial = Shared::<[f32]>::new_slice(virt / 32);
+    #[unroll]
+    for q in 0..groups {
+        let mut part = 0.0f32;
+        #[unroll]
+        for j in 0..per {
+            let i = j * virt + tid + q * threads;
+            let mut v = vals[q * per + j];
+            if residual {
+                let s = bf16::cast_from(v + ds[q * per + j]);
+                if i < d {
+                    sum[base + i] = s;
+                }
+                v = f32::cast_from(s);
+            }
+            vals[q * per + j] = v;
+            part += v * v;
+        }
+        let warp_sum = plane_sum(part);
+        if tid.is_multiple_of(32) {
+            partial[tid / 32 + q * threads / 32] = warp_sum;
+        }
     }
     sync_cube();
+    // 3. Normalise in f32, round, scale by the weight, round.
+    let inv = norm_inv(&partial, eps, inv_d, virt);
+    #[unroll]
+    for q in 0..groups {
+        #[unroll]
+        for j in 0..per {
+            let i = j * virt + tid + q * threads;
+            if i < d {
+                out[base + i] = norm_value(vals[q * per + j], inv, ws[q * per + j]);
+            }
+        }
+    }
+}
+
+/// The delta a residual norm adds at element `at`: bf16 from `delta`, or (`splits > 0`) the f32
+/// sums of a split product added in split order and rounded once, as the product's own combine
+/// would have written it.
+#[cube]
+fn norm_delta(
+    delta: &mut [bf16],
+    parts: &mut [f32],
+    at: usize,
+    parts_len: u32,
+    #[comptime] splits: usize,
+) -> f32 {
+    if comptime![splits > 0] {
+        let mut acc = parts[at];
+        #[unroll]
+        for p in 1..splits {
+            acc += parts[p * parts_len as usize + at];
+        }
+        f32::cast_from(bf16::cast_from(acc))
+    } else {
+        f32::cast_from(delta[at])
+    }
+}
+
+/// A row's `1 / rms` from the sums of squares of its `virt / 32` (virtual) warps, added in order.
+#[cube]
+fn norm_inv(partial: &Shared<[f32]>, eps: f32, inv_d: f32, #[comptime] virt: usize) -> f32 {
     let mut total = 0.0f32;
     #[unroll]
-    for k in 0..threads / 32 {
+    for k in 0..virt / 32 {
         total += partial[k];
     }
-    // 3. Normalise in f32, round, scale by the weight, round.
-    let inv = 1.0f32 / f32::sqrt(total * inv_d + eps);
+    1.0f32 / f32::sqrt(total * inv_d + eps)
+}
+
+/// One element of a normed row: `v · inv` rounded, times the weight `w`, rounded.
+#[cube]
+fn norm_value(v: f32, inv: f32, w: f32) -> bf16 {
+    let n = f32::cast_from(bf16::cast_from(v * inv));
+    bf16::cast_from(n * w)
+}
+
+/// A residual norm's row as [`norm_row_loads`] then [`norm_row_finish`] make it (the same
+/// arithmetic in the same order, so the same bits), by `threads` threads emulating a cube of
+/// `virt`, with the row's sums `x + delta` staged in `staged` (shared, `d` f32) instead of
+/// registers: a cube of 256 threads holds 16 elements of a 4096-wide row a thread, which kept in
+/// registers would set the register count of every other phase of a chained launch
+/// ([`super::chain`]).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn norm_row_staged(
+    x: &mut [bf16],
+    w: &[bf16],
+    delta: &mut [bf16],
+    parts: &mut [f32],
+    sum: &mut [bf16],
+    out: &mut [bf16],
+    staged: &mut Shared<[f32]>,
+    eps: f32,
+    inv_d: f32,
+    parts_len: u32,
+    row: usize,
+    tid: usize,
+    #[comptime] d: usize,
+    #[comptime] splits: usize,
+    #[comptime] threads: usize,
+    #[comptime] virt: usize,
+) {
+    let base = row * d;
+    let per = comptime!(d.div_ceil(virt));
+    let mut partial = Shared::<[f32]>::new_slice(virt / 32);
     #[unroll]
-    for j in 0..per_thread {
-        let i = j * threads + tid;
-        if i < d {
-            let n = f32::cast_from(bf16::cast_from(vals[j] * inv));
-            out[base + i] = bf16::cast_from(n * ws[j]);
+    for q in 0..virt / threads {
+        let mut part = 0.0f32;
+        #[unroll]
+        for j in 0..per {
+            let i = j * virt + tid + q * threads;
+            let mut v = 0.0f32;
+            if i < d {
+                let s = bf16::cast_from(
+                    f32::cast_from(x[base + i]) + norm_delta(delta, parts, base + i, parts_len, splits),
+                );
+                sum[base + i] = s;
+                v = f32::cast_from(s);
+                staged[i] = v;
+            }
+            part += v * v;
+        }
+        let warp_sum = plane_sum(part);
+        if tid.is_multiple_of(32) {
+            partial[tid / 32 + q * threads / 32] = warp_sum;
+        }
+    }
+    sync_cube();
+    let inv = norm_inv(&partial, eps, inv_d, virt);
+    #[unroll]
+    for q in 0..virt / threads {
+        #[unroll]
+        for j in 0..per {
+            let i = j * virt + tid + q * threads;
+            if i < d {
+                out[base + i] = norm_value(staged[i], inv, f32::cast_from(w[i]));
+            }
         }
     }
 }

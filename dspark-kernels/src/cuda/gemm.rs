@@ -54,10 +54,12 @@ pub(crate) const MAX_ROWS: usize = 64;
 /// sequence, same warp order): `mtiles` changes only how often an activation row is fetched.
 /// With `argmax` (a Markov step, see [`argmax_candidate`]) `y` is not written: `logits` holds
 /// the step's base logits (row `r` at `r · stride`) and `slots` the rows' running argmax.
+/// (`x` is only read; it is `&mut` because the cube's body, [`gemm_block`], also reads
+/// activations that other cubes of a chained launch write; see [`super::chain`].)
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn skinny_gemm_kernel(
-    x: &[Words],
+    x: &mut [Words],
     w: &[Words],
     y: &mut [bf16],
     parts: &mut [f32],
@@ -76,18 +78,117 @@ fn skinny_gemm_kernel(
     #[comptime] argmax: bool,
 ) {
     crate::cuda::pdl::dependency_wait();
+    let mut wa = Array::<Words>::new(unroll * mtiles);
+    let mut wb = Array::<Words>::new(unroll * mtiles);
+    gemm_block(
+        x,
+        w,
+        y,
+        parts,
+        logits,
+        slots,
+        rows as usize,
+        in_words as usize,
+        out as usize,
+        stride as usize,
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        &mut wa,
+        &mut wb,
+        tiles,
+        warps,
+        unroll,
+        splits,
+        swiglu,
+        mtiles,
+        argmax,
+        0usize,
+    );
+}
+
+/// Where a cube's first step of weight words starts, for [`gemm_block`] and
+/// [`gemm_first_weights`]: `(first chunk of the cube's range, chunks in the range, the lane's
+/// first word)`.
+#[cube]
+fn cube_range(
+    in_words: usize,
+    block: usize,
+    split: usize,
+    #[comptime] splits: usize,
+    #[comptime] mtiles: usize,
+) -> (usize, usize, usize) {
+    let lane = UNIT_POS_X as usize;
+    let g = lane / 4;
+    let t = lane % 4;
+    let chunks = in_words / 4 / splits;
+    (split * chunks, chunks, (block * 16 * mtiles + g) * in_words + t)
+}
+
+/// The weight words of the first `early` chunk slots of the first step of [`gemm_block`]'s loop
+/// for cube `(block, split)`, loaded into `wa` and `wb` before the cube may read its activations
+/// (a product chained behind another loads them while it waits; then [`gemm_block`] runs with the
+/// same `early`).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_first_weights(
+    w: &[Words],
+    wa: &mut Array<Words>,
+    wb: &mut Array<Words>,
+    in_words: usize,
+    block: usize,
+    split: usize,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+    #[comptime] splits: usize,
+    #[comptime] mtiles: usize,
+    #[comptime] early: usize,
+) {
+    let warp = UNIT_POS_Y as usize;
+    let (first, chunks, w_lo) = cube_range(in_words, block, split, splits, mtiles);
+    let zero = Words::new(0u32);
+    #[unroll]
+    for u in 0..comptime!(early.min(unroll)) {
+        let local = u * warps + warp;
+        load_weight_blocks(w, wa, wb, w_lo, in_words, first + local, local < chunks, zero, u, mtiles);
+    }
+}
+
+/// One cube of [`skinny_gemm_kernel`], cube `(block, split)` of its grid, with `wa` and `wb` the
+/// registers of a step's weight words (the first `early` chunk slots of the first step already
+/// loaded by [`gemm_first_weights`]; 0 for none). A cube's sums do not depend on where it runs: the products chained
+/// in one launch ([`super::chain`]) give each block the bits of its own launch.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn gemm_block(
+    x: &mut [Words],
+    w: &[Words],
+    y: &mut [bf16],
+    parts: &mut [f32],
+    logits: &[bf16],
+    slots: &[Atomic<u64>],
+    rows: usize,
+    in_words: usize,
+    out: usize,
+    stride: usize,
+    block: usize,
+    split: usize,
+    wa: &mut Array<Words>,
+    wb: &mut Array<Words>,
+    #[comptime] tiles: usize,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+    #[comptime] splits: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] mtiles: usize,
+    #[comptime] argmax: bool,
+    #[comptime] early: usize,
+) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
     let t = lane % 4;
-    let block = CUBE_POS_X as usize;
-    let split = CUBE_POS_Y as usize;
-    let in_words = in_words as usize;
-    let rows = rows as usize;
-    let out = out as usize;
     // This cube's range of chunks: `[first, first + chunks)`.
-    let chunks = in_words / 4 / splits;
-    let first = split * chunks;
+    let (first, chunks, w_lo) = cube_range(in_words, block, split, splits, mtiles);
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
 
@@ -99,36 +200,30 @@ fn skinny_gemm_kernel(
         acc[j] = Vector::<f32, Const<4>>::new(0.0f32);
     }
 
-    let w_lo = (block * 16 * mtiles + g) * in_words + t;
     let zero = Words::new(0u32);
 
     // With `argmax`, the base logits the epilogue adds, loaded now.
     let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
     if comptime![argmax] {
-        argmax_prefetch(
-            logits,
-            &mut pre,
-            stride as usize,
-            rows,
-            block,
-            warp * 32 + lane,
-            tiles,
-            mtiles,
-            warps,
-        );
+        argmax_prefetch(logits, &mut pre, stride, rows, block, warp * 32 + lane, tiles, mtiles, warps);
     }
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows and of every activation row.
-        let mut wa = Array::<Words>::new(unroll * mtiles);
-        let mut wb = Array::<Words>::new(unroll * mtiles);
+        // 1. Loads: `unroll` chunks of both weight rows (the first step's `early` slots are in)
+        //    and of every activation row.
         let mut xs = Array::<Words>::new(unroll * tiles);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            load_weight_blocks(w, &mut wa, &mut wb, w_lo, in_words, chunk, local < chunks, zero, u, mtiles);
+            if comptime![u < early] {
+                if step > 0 {
+                    load_weight_blocks(w, wa, wb, w_lo, in_words, chunk, local < chunks, zero, u, mtiles);
+                }
+            } else {
+                load_weight_blocks(w, wa, wb, w_lo, in_words, chunk, local < chunks, zero, u, mtiles);
+            }
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;

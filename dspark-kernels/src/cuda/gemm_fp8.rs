@@ -67,10 +67,12 @@ pub(crate) fn odd_pair(w: u32) -> u32 {
 /// activation row is fetched. With `argmax` (a Markov step, see
 /// [`argmax_candidate`](super::gemm::argmax_candidate)) `y` is not written: `logits` holds the
 /// step's base logits (row `r` at `r · stride`) and `slots` the rows' running argmax.
+/// (`x` is only read; it is `&mut` because the cube's body, [`fp8_gemm_block`], also reads
+/// activations that other cubes of a chained launch write; see [`super::chain`].)
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn fp8_gemm_kernel(
-    x: &[Words],
+    x: &mut [Words],
     w: &[Words],
     scales: &[f32],
     y: &mut [bf16],
@@ -93,20 +95,80 @@ fn fp8_gemm_kernel(
     #[comptime] argmax: bool,
 ) {
     crate::cuda::pdl::dependency_wait();
+    let mut wa = Array::<Words>::new(unroll * mtiles);
+    let mut wb = Array::<Words>::new(unroll * mtiles);
+    fp8_gemm_block(
+        x,
+        w,
+        scales,
+        y,
+        parts,
+        logits,
+        slots,
+        rows as usize,
+        x_words as usize,
+        out as usize,
+        scale_cols as usize,
+        pow2_120,
+        stride as usize,
+        CUBE_POS_X as usize,
+        CUBE_POS_Y as usize,
+        &mut wa,
+        &mut wb,
+        tiles,
+        warps,
+        unroll,
+        blocked,
+        splits,
+        mtiles,
+        swiglu,
+        argmax,
+        0usize,
+    );
+}
+
+/// One cube of [`fp8_gemm_kernel`], cube `(block, split)` of its grid, with `wa` and `wb` the
+/// registers of a step's weight words (the first step's first `early` chunk slots already loaded
+/// by [`gemm_first_weights`](super::gemm::gemm_first_weights) over the weight's `x_words / 2`
+/// words a row): as [`super::gemm::gemm_block`] for bf16 weights.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fp8_gemm_block(
+    x: &mut [Words],
+    w: &[Words],
+    scales: &[f32],
+    y: &mut [bf16],
+    parts: &mut [f32],
+    logits: &[bf16],
+    slots: &[Atomic<u64>],
+    rows: usize,
+    x_words: usize,
+    out: usize,
+    scale_cols: usize,
+    pow2_120: f32,
+    stride: usize,
+    block: usize,
+    split: usize,
+    wa: &mut Array<Words>,
+    wb: &mut Array<Words>,
+    #[comptime] tiles: usize,
+    #[comptime] warps: usize,
+    #[comptime] unroll: usize,
+    #[comptime] blocked: bool,
+    #[comptime] splits: usize,
+    #[comptime] mtiles: usize,
+    #[comptime] swiglu: bool,
+    #[comptime] argmax: bool,
+    #[comptime] early: usize,
+) {
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let g = lane / 4;
     let t = lane % 4;
-    let block = CUBE_POS_X as usize;
-    let split = CUBE_POS_Y as usize;
-    let x_words = x_words as usize;
     let w_words = x_words / 2;
-    let rows = rows as usize;
-    let out = out as usize;
     // This cube's range of chunks: `[first, first + chunks)`.
     let chunks = x_words / 8 / splits;
     let first = split * chunks;
-    let scale_cols = scale_cols as usize;
 
     let def = MmaDefinition::<bf16, bf16, f32>::new(16usize, 8usize, 16usize);
     let lift = Vector::<bf16, Const<8>>::new(bf16::cast_from(pow2_120));
@@ -124,31 +186,25 @@ fn fp8_gemm_kernel(
     // With `argmax`, the base logits the epilogue adds, loaded now.
     let mut pre = Array::<f32>::new((mtiles * tiles * 128).div_ceil(warps * 32));
     if comptime![argmax] {
-        argmax_prefetch(
-            logits,
-            &mut pre,
-            stride as usize,
-            rows,
-            block,
-            warp * 32 + lane,
-            tiles,
-            mtiles,
-            warps,
-        );
+        argmax_prefetch(logits, &mut pre, stride, rows, block, warp * 32 + lane, tiles, mtiles, warps);
     }
 
     let steps = chunks.div_ceil(warps * unroll);
     for step in 0..steps {
-        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each) and of
-        //    every activation row (two words each).
-        let mut wa = Array::<Words>::new(unroll * mtiles);
-        let mut wb = Array::<Words>::new(unroll * mtiles);
+        // 1. Loads: `unroll` chunks of both weight rows of every block (one word each; with
+        //    the first step's `early` slots are in) and of every activation row (two words each).
         let mut xs = Array::<Words>::new(unroll * tiles * 2);
         #[unroll]
         for u in 0..unroll {
             let local = (step * unroll + u) * warps + warp;
             let chunk = first + local;
-            load_weight_blocks(w, &mut wa, &mut wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
+            if comptime![u < early] {
+                if step > 0 {
+                    load_weight_blocks(w, wa, wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
+                }
+            } else {
+                load_weight_blocks(w, wa, wb, w_lo, w_words, chunk, local < chunks, zero, u, mtiles);
+            }
             #[unroll]
             for j in 0..tiles {
                 let row = j * 8 + g;
