@@ -141,6 +141,20 @@ struct Args {
     /// default) or as copies (`off`), for an A/B (`dspark_kernels::set_int_views`).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
+    /// Merge a one-row lane's attention splits inside the split kernel (`on`) or in a second
+    /// launch (`off`, the library's default), for an A/B (`dspark_kernels::set_attention_fold`:
+    /// the same bits).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    attn_fold: String,
+    /// Run a layer's tail (o, norm, gate/up, down, norm) as one chained launch where it can
+    /// (`on`) or as five launches (`off`, the library's default), for an A/B
+    /// (`dspark_kernels::set_layer_chain`: the same bits).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    layer_chain: String,
+    /// Weight chunks each warp of a chained product loads before it waits
+    /// (`dspark_kernels::set_chain_prefetch`; the library's choice is 2), for an A/B.
+    #[arg(long, default_value = "2", value_parser = ["1", "2", "8"])]
+    chain_prefetch: String,
     /// How a sampled draw walks its segments, each a table row per layout and weights: in
     /// parallel (`on`, the library's default: segment weights one thread each, the chosen
     /// thread's values walked on that thread) or on one thread (`off`; the weights column then
@@ -317,6 +331,15 @@ fn switches(args: &Args) -> String {
     if args.int_views == "off" {
         label += " (int copies)";
     }
+    if args.attn_fold == "on" {
+        label += " (merge folded)";
+    }
+    if args.layer_chain == "on" {
+        label += " (tail chained)";
+    }
+    if args.layer_chain == "on" && args.chain_prefetch != "2" {
+        label += &format!(" (chain prefetch {})", args.chain_prefetch);
+    }
     label
 }
 
@@ -330,6 +353,9 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::set_programmatic_trigger_port(args.pdl == "trigger");
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
+    dspark_kernels::set_attention_fold(args.attn_fold == "on");
+    dspark_kernels::set_layer_chain(args.layer_chain == "on");
+    dspark_kernels::set_chain_prefetch(args.chain_prefetch.parse().unwrap_or(2));
     if args.emulate_graphs {
         dspark_kernels::set_graph_emulation(true);
         dspark_kernels::set_paged_reference(true);

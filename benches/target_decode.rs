@@ -60,6 +60,20 @@ struct Args {
     /// default) or as copies (`off`; `dspark_kernels::set_int_views`), for an A/B.
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     int_views: String,
+    /// Merge a one-row lane's attention splits inside the split kernel (`on`) or in a second
+    /// launch (`off`, the library's default), for an A/B (`dspark_kernels::set_attention_fold`:
+    /// the same bits).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    attn_fold: String,
+    /// Run a layer's tail (o, norm, gate/up, down, norm) as one chained launch where it can
+    /// (`on`) or as five launches (`off`, the library's default), for an A/B
+    /// (`dspark_kernels::set_layer_chain`: the same bits).
+    #[arg(long, default_value = "off", value_parser = ["on", "off"])]
+    layer_chain: String,
+    /// Weight chunks each warp of a chained product loads before it waits
+    /// (`dspark_kernels::set_chain_prefetch`; the library's choice is 2), for an A/B.
+    #[arg(long, default_value = "2", value_parser = ["1", "2", "8"])]
+    chain_prefetch: String,
     /// Verify-window widths to time at one lane (rows per forward, logits for every row), each
     /// beside the one-row step of the same run; empty to skip.
     #[arg(long, value_delimiter = ',', default_value = "8,16")]
@@ -127,6 +141,9 @@ fn main() -> dspark::Result<()> {
     dspark_kernels::force_unroll_wide(args.unroll_wide.parse().ok());
     dspark_kernels::set_tile_padding(args.pad_tiles == "on");
     dspark_kernels::set_int_views(args.int_views == "on");
+    dspark_kernels::set_attention_fold(args.attn_fold == "on");
+    dspark_kernels::set_layer_chain(args.layer_chain == "on");
+    dspark_kernels::set_chain_prefetch(args.chain_prefetch.parse().unwrap_or(2));
     dspark_kernels::set_tensor_core_attention(args.attention == "tc");
     // Both values are among the ones clap accepts, which the setters take.
     dspark_kernels::set_attention_min_chunk(args.attn_min_chunk.parse().unwrap_or(32));
@@ -317,6 +334,15 @@ fn kernels_label(args: &Args) -> String {
     }
     if args.kernels == "on" && args.int_views == "off" {
         label += " (int copies)";
+    }
+    if args.kernels == "on" && args.attn_fold == "on" {
+        label += " (merge folded)";
+    }
+    if args.kernels == "on" && args.layer_chain == "on" {
+        label += " (tail chained)";
+    }
+    if args.kernels == "on" && args.layer_chain == "on" && args.chain_prefetch != "2" {
+        label += &format!(" (chain prefetch {})", args.chain_prefetch);
     }
     if args.kernels == "on" && args.unroll_wide != "auto" {
         label += &format!(" (unroll {} at 17-32 rows)", args.unroll_wide);

@@ -29,6 +29,9 @@ static FP8_SWIGLU: AtomicBool = AtomicBool::new(true);
 static PARALLEL_DRAWS: AtomicBool = AtomicBool::new(true);
 static FUSED_MARKOV: AtomicBool = AtomicBool::new(true);
 static MARKOV_LOOP: AtomicBool = AtomicBool::new(true);
+static ATTENTION_FOLD: AtomicBool = AtomicBool::new(false);
+static LAYER_CHAIN: AtomicBool = AtomicBool::new(false);
+static CHAIN_PREFETCH: AtomicUsize = AtomicUsize::new(2);
 
 /// Turn this crate's GPU kernels on or off for the whole process (on by default); off, every
 /// operation runs its plain-burn body. For A/B benchmarks and checks in one process.
@@ -287,6 +290,74 @@ pub fn attention_min_chunk() -> usize {
     ATTENTION_MIN_CHUNK.load(Ordering::Relaxed)
 }
 
+/// Let [`paged_attention_synced`] merge the key splits of one-row groups inside the split
+/// kernel instead of in a second launch; the same bits either way. Off by default until its GPU
+/// checks have run (`benches/gpu_chain.sh check`). For A/B benchmarks; process-wide.
+#[doc(hidden)]
+pub fn set_attention_fold(enabled: bool) {
+    ATTENTION_FOLD.store(enabled, Ordering::Relaxed);
+}
+
+/// Let [`layer_tail`] chain a layer's tail into one launch where it can; off, it runs its five
+/// launches. The same bits either way. Off by default until its GPU checks have run
+/// (`benches/gpu_chain.sh check`). For A/B benchmarks; process-wide.
+#[doc(hidden)]
+pub fn set_layer_chain(enabled: bool) {
+    LAYER_CHAIN.store(enabled, Ordering::Relaxed);
+}
+
+/// Sets the weight chunks each warp of a chained product loads before it waits for the step
+/// before it (see [`layer_tail`]): 1, 2 (the default) or 8 (capped by the product's unroll);
+/// anything else is refused (`false`). Held in registers across the wait, so more raises the
+/// chained kernel's registers (sm_90a, Qwen3-8B widths, one tile: 54 / 60 / 122 for bf16, so 4 /
+/// 4 / 2 cubes an SM). Numerically neutral: for A/B benchmarks.
+#[doc(hidden)]
+pub fn set_chain_prefetch(chunks: usize) -> bool {
+    let ok = matches!(chunks, 1 | 2 | 8);
+    if ok {
+        CHAIN_PREFETCH.store(chunks, Ordering::Relaxed);
+    }
+    ok
+}
+
+/// The chunks a chained product's warps load before they wait (see [`set_chain_prefetch`]).
+#[doc(hidden)]
+pub fn chain_prefetch() -> usize {
+    CHAIN_PREFETCH.load(Ordering::Relaxed)
+}
+
+/// Whether [`layer_tail`] chains (see [`set_layer_chain`]).
+#[doc(hidden)]
+pub fn layer_chain() -> bool {
+    LAYER_CHAIN.load(Ordering::Relaxed)
+}
+
+/// Calls of [`layer_tail`] in this process that ran as one chained launch: tests check with it
+/// that the chain ran.
+#[doc(hidden)]
+pub fn layer_chains() -> usize {
+    #[cfg(feature = "cuda")]
+    return cuda::chain::CHAINS.load(Ordering::Relaxed);
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+/// Calls of [`paged_attention_synced`] in this process whose merges were folded into the split
+/// kernel: tests check with it that the fold ran.
+#[doc(hidden)]
+pub fn attention_folds() -> usize {
+    #[cfg(feature = "cuda")]
+    return cuda::attention::FOLDS.load(Ordering::Relaxed);
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
+/// Whether [`paged_attention_synced`] folds the merge in (see [`set_attention_fold`]).
+#[doc(hidden)]
+pub fn attention_fold() -> bool {
+    ATTENTION_FOLD.load(Ordering::Relaxed)
+}
+
 /// Whether [`paged_attention`] uses tensor cores (see [`set_tensor_core_attention`]).
 pub fn tensor_core_attention() -> bool {
     TENSOR_CORE_ATTENTION.load(Ordering::Relaxed)
@@ -410,6 +481,78 @@ pub fn linear_add_rms_norm(
         return cuda::fused::linear_add_rms_norm(x, a, weight, norm, eps);
     }
     add_rms_norm(x, linear(a, weight), norm, eps)
+}
+
+/// i32 counter words [`layer_tail`] needs in its `sync` buffer.
+pub const LAYER_TAIL_SYNC_WORDS: usize = 8;
+
+/// The weights of a decoder layer's tail ([`layer_tail`]): the o projection `[d, hq]`, the
+/// gate/up pair `[2·inter, d]` (paired as [`pair_gate_up`] or [`Fp8Matrix::pair_gate_up`] make
+/// it) and the down projection `[d, inter]`, all bf16 or all FP8.
+#[derive(Debug, Clone, Copy)]
+pub enum TailWeights<'a> {
+    /// bf16 `[out, in]` tensors.
+    Bf16 {
+        /// The o projection.
+        o: &'a Tensor<2>,
+        /// The paired gate/up projection.
+        gate_up: &'a Tensor<2>,
+        /// The down projection.
+        down: &'a Tensor<2>,
+    },
+    /// FP8 matrices (the gate/up pair with per-row scales).
+    Fp8 {
+        /// The o projection.
+        o: &'a Fp8Matrix,
+        /// The paired gate/up projection.
+        gate_up: &'a Fp8Matrix,
+        /// The down projection.
+        down: &'a Fp8Matrix,
+    },
+}
+
+/// A decoder layer's tail after its attention: `(x2, RMSNorm(x2)·next_norm)` with
+/// `x1 = x + a·w_oᵀ`, `h1 = RMSNorm(x1)·post_norm`, `x2 = x1 + swiglu(h1, gate_up)·w_downᵀ`: the
+/// same bits as [`linear_add_rms_norm`], [`linear_swiglu`] and [`linear_add_rms_norm`] again (or
+/// their FP8 forms for FP8 weights).
+///
+/// On CUDA with bf16 activations, for at most 16 rows, with `sync` (at least
+/// [`LAYER_TAIL_SYNC_WORDS`] zeroed i32 counters, left zero) and [`set_layer_chain`] on, the five
+/// launches of those calls are one, in which each product's cubes stream their first weights
+/// while the step before them finishes (see `cuda/chain.rs`). Elsewhere the three calls run as
+/// they are, and `sync` is not touched.
+///
+/// # Shapes
+/// `x`: `[rows, d]`, `a`: `[rows, hq]`, norms: `[d]` → (`[rows, d]`, `[rows, d]`).
+pub fn layer_tail(
+    x: Tensor<2>,
+    a: Tensor<2>,
+    (post_norm, next_norm): (&Tensor<1>, &Tensor<1>),
+    weights: TailWeights,
+    eps: f64,
+    sync: Option<&Tensor<1, Int>>,
+) -> (Tensor<2>, Tensor<2>) {
+    #[cfg(feature = "cuda")]
+    if let Some(sync) = sync
+        && kernels_enabled()
+        && layer_chain()
+        && cuda::chain::takes(&x, &a, [post_norm, next_norm], &weights, sync)
+    {
+        return cuda::chain::layer_tail(x, a, [post_norm, next_norm], &weights, eps, sync);
+    }
+    let _ = sync;
+    match weights {
+        TailWeights::Bf16 { o, gate_up, down } => {
+            let (x, h) = linear_add_rms_norm(x, a, o, post_norm, eps);
+            let act = linear_swiglu(h, gate_up);
+            linear_add_rms_norm(x, act, down, next_norm, eps)
+        }
+        TailWeights::Fp8 { o, gate_up, down } => {
+            let (x, h) = linear_fp8_add_rms_norm(x, a, o, post_norm, eps);
+            let act = linear_fp8_swiglu(h, gate_up);
+            linear_fp8_add_rms_norm(x, act, down, next_norm, eps)
+        }
+    }
 }
 
 /// The attention input of a layer from one fused q/k/v projection output `y` (q heads at
@@ -962,9 +1105,40 @@ pub fn paged_attention_grouped(
 ) -> Tensor<3> {
     #[cfg(feature = "cuda")]
     if !PAGED_REFERENCE.load(Ordering::Relaxed) && paged_attention_supported(&q, k_pool) {
-        return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta, group);
+        return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta, group, None);
     }
     let _ = group;
+    reference::paged_attention(q, k_pool, v_pool, keys, meta)
+}
+
+/// i32 counter words [`paged_attention_synced`] needs for `rows` query rows over `kv_heads`
+/// K/V heads.
+pub fn attention_sync_words(rows: usize, kv_heads: usize) -> usize {
+    rows.clamp(1, 64) * kv_heads
+}
+
+/// [`paged_attention_grouped`] with `sync`, a zeroed i32 buffer of at least
+/// [`attention_sync_words`] words that the call leaves zero again: where every group is one
+/// row (a decode step of one or many lanes) the tensor-core kernel then merges each row's key
+/// splits itself (the last of a row's split cubes for a K/V head to finish counts itself in at
+/// its counter and merges them), one launch instead of two. The merge is the one the separate
+/// combine makes, so the bits are the same, and the same as the row's would be inside a window.
+/// Elsewhere (windows, other dtypes, [`set_attention_fold`] off, a buffer too short or not i32)
+/// `sync` is not touched.
+pub fn paged_attention_synced(
+    q: Tensor<3>,
+    k_pool: &Tensor<3>,
+    v_pool: &Tensor<3>,
+    keys: &Tensor<1, Int>,
+    meta: &Tensor<2, Int>,
+    group: usize,
+    sync: &Tensor<1, Int>,
+) -> Tensor<3> {
+    #[cfg(feature = "cuda")]
+    if !PAGED_REFERENCE.load(Ordering::Relaxed) && paged_attention_supported(&q, k_pool) {
+        return cuda::attention::paged_attention(q, k_pool, v_pool, keys, meta, group, Some(sync));
+    }
+    let _ = (group, sync);
     reference::paged_attention(q, k_pool, v_pool, keys, meta)
 }
 
@@ -985,6 +1159,41 @@ mod tests {
             assert!(!set_attention_min_chunk(bad), "min chunk {bad}");
         }
         assert_eq!((norm_threads(), attention_min_chunk()), (threads, chunk));
+    }
+
+    /// Without the chained kernel (the CPU), a layer's tail is the three calls it stands for,
+    /// composed here from the plain-burn bodies: the same values to f32 rounding, with or
+    /// without counters (which it leaves as they were).
+    #[test]
+    fn layer_tail_without_the_kernel_is_the_unfused_tail() {
+        use burn::tensor::{Distribution, TensorData};
+        let device = burn::tensor::Device::flex();
+        let (rows, d, hq, inter, eps) = (3, 64, 32, 96, 1e-6);
+        let rand =
+            |shape: [usize; 2], s: f64| Tensor::<2>::random(shape, Distribution::Normal(0.0, s), &device);
+        let (x, a) = (rand([rows, d], 1.0), rand([rows, hq], 1.0));
+        let (w_o, w_d) = (rand([d, hq], 0.2), rand([d, inter], 0.1));
+        let (gate, up) = (rand([inter, d], 0.2), rand([inter, d], 0.2));
+        let gate_up = pair_gate_up(gate.clone(), up.clone());
+        let n1 = rand([1, d], 0.1).reshape([d]).add_scalar(1.0);
+        let n2 = rand([1, d], 0.1).reshape([d]).add_scalar(1.0);
+        let sync =
+            Tensor::<1, Int>::from_data(TensorData::new(vec![7i64; LAYER_TAIL_SYNC_WORDS], [8]), &device);
+        let weights = TailWeights::Bf16 { o: &w_o, gate_up: &gate_up, down: &w_d };
+        let (x2, h2) = layer_tail(x.clone(), a.clone(), (&n1, &n2), weights, eps, Some(&sync));
+        let (bx, bh) = layer_tail(x.clone(), a.clone(), (&n1, &n2), weights, eps, None);
+        let (x1, h1) = reference::add_rms_norm(x, reference::linear(a, &w_o), &n1, eps);
+        let act = reference::swiglu(reference::linear(h1.clone(), &gate), reference::linear(h1, &up));
+        let (wx, wh) = reference::add_rms_norm(x1, reference::linear(act, &w_d), &n2, eps);
+        for (got, want) in [(&x2, &wx), (&h2, &wh), (&bx, &wx), (&bh, &wh)] {
+            let diff = (got.clone() - want.clone()).abs().max().into_scalar::<f32>();
+            assert!(diff <= 1e-4, "max |difference| {diff}");
+        }
+        assert_eq!(
+            sync.into_data().convert::<i64>().try_to_vec::<i64>().expect("i64 counters"),
+            vec![7; 8],
+            "counters touched"
+        );
     }
 
     /// On the CPU the floor probes answer `None` rather than reading anything.

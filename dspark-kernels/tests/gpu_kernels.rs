@@ -318,6 +318,34 @@ fn paged_attention_case(heads: usize, kv_heads: usize, head_dim: usize, tensor_c
         assert_eq!(grouped.as_bytes(), all.as_bytes(), "rows grouped by {group} differ from one by one");
     }
 
+    // The merge folded into the split kernel (one-row groups, counters from the caller), twice
+    // on the same counters: the bits of the separate merge, and the counters left zero. Every
+    // row here is its own group, so every row of the tensor-core kernel takes the fold.
+    let words = dspark_kernels::attention_sync_words(rows, kv_heads);
+    let sync = int_tensor(vec![0; words], [words], device);
+    let folds = dspark_kernels::attention_folds();
+    let fold_was = dspark_kernels::attention_fold();
+    dspark_kernels::set_attention_fold(true);
+    for pass in 0..2 {
+        poison(rows * heads * head_dim, device);
+        let folded =
+            dspark_kernels::paged_attention_synced(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t, 1, &sync)
+                .into_data();
+        assert_eq!(folded.as_bytes(), all.as_bytes(), "folded merge (pass {pass}) differs from the combine");
+        let left = sync.clone().into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
+        assert!(left.iter().all(|&c| c == 0), "counters left non-zero after pass {pass}: {left:?}");
+    }
+    if tensor_cores {
+        assert!(dspark_kernels::attention_folds() > folds, "the tensor-core kernel did not fold its merge");
+        // The switch off: the separate merge on the same call, the same bits.
+        dspark_kernels::set_attention_fold(false);
+        let apart =
+            dspark_kernels::paged_attention_synced(q.clone(), &k_pool, &v_pool, &keys_t, &meta_t, 1, &sync)
+                .into_data();
+        assert_eq!(apart.as_bytes(), all.as_bytes(), "the fold switched off differs");
+    }
+    dspark_kernels::set_attention_fold(fold_was);
+
     // Each lane alone, its rows grouped as its window: bit-identical to its rows in the batch.
     let row_bytes = heads * head_dim * 2;
     for (lane, range) in ranges.iter().enumerate() {
@@ -2002,4 +2030,122 @@ fn markov_greedy_matches_unfused() {
             }
         }
     }
+}
+
+/// A layer's tail chained into one launch (`layer_tail` with counters) against the same calls
+/// without (three calls, five launches): the same bits for both outputs at Qwen3-8B widths, for
+/// every row count the chain takes (1 and 2 activation tiles, rows within a tile), and for each
+/// norm cube size (the chain's 256 threads emulate the norm's order); the counters left zero
+/// (each size runs twice on them); the outputs within bf16 rounding of the plain-burn bodies.
+#[test]
+fn layer_tail_matches_unfused() {
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    let (d, hq, inter, eps) = (4096usize, 4096usize, 12288usize, 1e-6);
+    let w_o = random(d, hq, 0.02, &device);
+    let w_gu = dspark_kernels::pair_gate_up(random(inter, d, 0.02, &device), random(inter, d, 0.02, &device));
+    let w_d = random(d, inter, 0.01, &device);
+    let (n1, n2) = (norm_weight(d, &device), norm_weight(d, &device));
+    let words = dspark_kernels::LAYER_TAIL_SYNC_WORDS;
+    let sync = int_tensor(vec![0; words], [words], &device);
+    let chain_was = dspark_kernels::layer_chain();
+    dspark_kernels::set_layer_chain(true);
+    for threads in [1024usize, 512, 256] {
+        assert!(dspark_kernels::set_norm_threads(threads));
+        for &rows in &[1usize, 2, 5, 8, 9, 16] {
+            let x = random(rows, d, 1.0, &device);
+            let a = random(rows, hq, 1.0, &device);
+            let what = format!("layer_tail rows {rows} norm threads {threads}");
+            let tail = |sync: Option<&Tensor<1, burn::tensor::Int>>| {
+                poison(rows * d, &device);
+                let weights = dspark_kernels::TailWeights::Bf16 { o: &w_o, gate_up: &w_gu, down: &w_d };
+                let (x2, h2) =
+                    dspark_kernels::layer_tail(x.clone(), a.clone(), (&n1, &n2), weights, eps, sync);
+                (host(x2), host(h2))
+            };
+            let apart = tail(None);
+            let chains = dspark_kernels::layer_chains();
+            for pass in 0..2 {
+                let chained = tail(Some(&sync));
+                assert!(dspark_kernels::layer_chains() > chains, "{what}: the chain did not run");
+                assert_eq!(chained.0, apart.0, "{what}: residual differs (pass {pass})");
+                assert_eq!(chained.1, apart.1, "{what}: normed output differs (pass {pass})");
+                let left = sync.clone().into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
+                assert!(left.iter().all(|&c| c == 0), "{what}: counters left {left:?}");
+            }
+            if threads == 1024 {
+                // The plain-burn bodies (f32 sums in burn's order): within bf16 rounding.
+                let (x1, h1) = dspark_kernels::reference::add_rms_norm(
+                    x.clone(),
+                    dspark_kernels::reference::linear(a.clone(), &w_o),
+                    &n1,
+                    eps,
+                );
+                let y = dspark_kernels::reference::linear(h1, &w_gu).reshape([rows, inter / 8, 2, 8]);
+                let act = dspark_kernels::reference::swiglu(
+                    y.clone().narrow(2, 0, 1).reshape([rows, inter]),
+                    y.narrow(2, 1, 1).reshape([rows, inter]),
+                );
+                let (x2, h2) = dspark_kernels::reference::add_rms_norm(
+                    x1,
+                    dspark_kernels::reference::linear(act, &w_d),
+                    &n2,
+                    eps,
+                );
+                let as64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<_>>();
+                let (ex, eh) = (rel_err(&apart.0, &as64(host(x2))), rel_err(&apart.1, &as64(host(h2))));
+                println!("{what}: rel err vs plain burn: residual {ex:.2e}, normed {eh:.2e}");
+                assert!(ex <= 2e-2 && eh <= 2e-2, "{what}: rel err {ex:.3e} / {eh:.3e}");
+            }
+        }
+    }
+    assert!(dspark_kernels::set_norm_threads(1024));
+    dspark_kernels::set_layer_chain(chain_was);
+}
+
+/// The chained tail with FP8 weights (a draft's layers): o and down with per-row and with
+/// per-block scales (the o product is not cut, so its norm reads bf16 rows; down is), the
+/// gate/up pair per row. The same bits as the three FP8 calls, the counters left zero.
+#[test]
+fn layer_tail_fp8_matches_unfused() {
+    use dspark_kernels::fp8::ScaleGrid;
+    let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let device = cuda();
+    let (d, hq, inter, eps) = (4096usize, 4096usize, 12288usize, 1e-6);
+    let gate = Fp8Case::new(inter, d, ScaleGrid::PerRow, 901, &device);
+    let up = Fp8Case::new(inter, d, ScaleGrid::PerRow, 902, &device);
+    let gate_up = dspark_kernels::Fp8Matrix::pair_gate_up(&gate.m, &up.m).unwrap();
+    let (n1, n2) = (norm_weight(d, &device), norm_weight(d, &device));
+    let words = dspark_kernels::LAYER_TAIL_SYNC_WORDS;
+    let sync = int_tensor(vec![0; words], [words], &device);
+    let chain_was = dspark_kernels::layer_chain();
+    dspark_kernels::set_layer_chain(true);
+    for grid in [ScaleGrid::PerRow, ScaleGrid::Blocks] {
+        let o = Fp8Case::new(d, hq, grid, 903, &device);
+        let down = Fp8Case::new(d, inter, grid, 904, &device);
+        let weights = dspark_kernels::TailWeights::Fp8 { o: &o.m, gate_up: &gate_up, down: &down.m };
+        for &rows in &[1usize, 7, 8, 9, 16] {
+            let x = random(rows, d, 1.0, &device);
+            let a = random(rows, hq, 1.0, &device);
+            let what = format!("layer_tail fp8 {grid:?} rows {rows}");
+            let tail = |sync: Option<&Tensor<1, burn::tensor::Int>>| {
+                poison(rows * d, &device);
+                let (x2, h2) =
+                    dspark_kernels::layer_tail(x.clone(), a.clone(), (&n1, &n2), weights, eps, sync);
+                (host(x2), host(h2))
+            };
+            let apart = tail(None);
+            assert!(apart.0.iter().chain(&apart.1).all(|v| v.is_finite()), "{what}: not finite");
+            let chains = dspark_kernels::layer_chains();
+            for pass in 0..2 {
+                let chained = tail(Some(&sync));
+                assert!(dspark_kernels::layer_chains() > chains, "{what}: the chain did not run");
+                assert_eq!(chained.0, apart.0, "{what}: residual differs (pass {pass})");
+                assert_eq!(chained.1, apart.1, "{what}: normed output differs (pass {pass})");
+                let left = sync.clone().into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
+                assert!(left.iter().all(|&c| c == 0), "{what}: counters left {left:?}");
+            }
+        }
+    }
+    dspark_kernels::set_layer_chain(chain_was);
 }

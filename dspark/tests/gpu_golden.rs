@@ -24,7 +24,9 @@ const CUDA: DeviceKind = DeviceKind::Cuda(0);
 /// `fp8-swiglu` / `no-fp8-swiglu` for `dspark_kernels::set_fp8_swiglu`, `parallel-draws` /
 /// `serial-draws` for `dspark_kernels::set_parallel_draws`, `fused-markov` / `unfused-markov` for
 /// `dspark_kernels::set_fused_markov`, `markov-loop` / `no-markov-loop` for
-/// `dspark_kernels::set_markov_loop`, `pdl` / `no-pdl` for
+/// `dspark_kernels::set_markov_loop`, `attn-fold` / `no-attn-fold` for
+/// `dspark_kernels::set_attention_fold`, `layer-chain` / `no-layer-chain` for
+/// `dspark_kernels::set_layer_chain`, `pdl` / `no-pdl` for
 /// `dspark_kernels::set_programmatic_launch`), so that one build checks a switch either way: before it
 /// becomes the default, or the path it replaced. Unset: the library's defaults (every switch
 /// above on but programmatic launches, 1024 norm threads). An unknown name fails the test rather than being ignored.
@@ -46,6 +48,10 @@ fn staged_switches() {
             "unfused-markov" => dspark_kernels::set_fused_markov(false),
             "markov-loop" => dspark_kernels::set_markov_loop(true),
             "no-markov-loop" => dspark_kernels::set_markov_loop(false),
+            "attn-fold" => dspark_kernels::set_attention_fold(true),
+            "no-attn-fold" => dspark_kernels::set_attention_fold(false),
+            "layer-chain" => dspark_kernels::set_layer_chain(true),
+            "no-layer-chain" => dspark_kernels::set_layer_chain(false),
             "pdl" => assert!(dspark_kernels::set_programmatic_launch(true)),
             "no-pdl" => assert!(dspark_kernels::set_programmatic_launch(false)),
             other => match other.strip_prefix("norm-threads-").and_then(|n| n.parse().ok()) {
@@ -363,6 +369,13 @@ fn cuda_bf16_qwen3_8b_shapes_are_batch_invariant() {
         assert_eq!(first, None, "lane {i}: speculative and target-only differ");
         assert_eq!(f.tokens.len(), p.tokens.len());
     }
+    // With the chained layer tails and the folded attention merge switched on, they ran: the
+    // decode steps and windows above took them, the comparisons their bits (and 3. below sets
+    // windows of 1 and 8 rows, which take them, against one long forward, which does not).
+    let (chains, folds) = (dspark_kernels::layer_chains(), dspark_kernels::attention_folds());
+    println!("qwen3-8b shapes: {chains} chained layer tails, {folds} folded attention merges");
+    assert!(!dspark_kernels::layer_chain() || chains > 0, "the chain is on but never ran");
+    assert!(!dspark_kernels::attention_fold() || folds > 0, "the fold is on but never ran");
 
     // 3. One text's logits: one long forward vs prompt prefill then windows of 1, 8 and 17 rows
     //    (decode steps and verify windows), bit for bit; and `score` equals their log-softmax.

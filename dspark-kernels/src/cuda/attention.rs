@@ -424,6 +424,8 @@ fn paged_attention_mma_kernel(
     part: &mut [f32],
     part4: &mut [Vector<f32, Const<4>>],
     ml: &mut [f32],
+    sync: &[Atomic<u32>],
+    out: &mut [bf16],
     row0: u32,
     rows: u32,
     stride: u32,
@@ -436,6 +438,7 @@ fn paged_attention_mma_kernel(
     #[comptime] groups: usize,
     #[comptime] wide: bool,
     #[comptime] min_chunk: usize,
+    #[comptime] fold: bool,
 ) {
     crate::cuda::pdl::dependency_wait();
     let lane = UNIT_POS_X as usize;
@@ -895,6 +898,166 @@ fn paged_attention_mma_kernel(
             }
         }
     }
+
+    // 8. With `fold` (cubes of one row), the last of the row's split cubes for this K/V head to
+    //    arrive merges the split states of its query heads, as `combine_kernel` would.
+    if comptime![fold] {
+        let at = CUBE_POS_X as usize * CUBE_COUNT_Y as usize + kvh;
+        if arrive_last(sync, at, CUBE_COUNT_Z) && nr == 1usize {
+            fold_combine(
+                part,
+                ml,
+                meta,
+                out,
+                row0 + lo,
+                lo,
+                kvh,
+                heads,
+                stride,
+                id,
+                head_dim,
+                groups,
+                min_chunk,
+            );
+        }
+    }
+}
+
+/// One term of a split merge, `acc + value · weight`: the combine kernel and the folded merge
+/// of the tensor-core kernel both add their terms through this, so the two compile to the same
+/// arithmetic (a fused multiply-add or not alike) and give the same bits.
+#[cube]
+fn merge_term(acc: f32, value: f32, weight: f32) -> f32 {
+    acc + value * weight
+}
+
+/// A cube's arrival at its counter `sync[at]`, after its split states are written: `true` in
+/// every thread of the last of `arrivals` cubes to arrive, which finds every other cube's states
+/// written (each cube's threads store before the barrier, then its first thread fences and
+/// counts itself in; the last one fences again before reading) and sets the counter back to zero
+/// for the next launch. As the Markov loop's grid barrier, but no cube waits.
+#[cube]
+fn arrive_last(sync: &[Atomic<u32>], at: usize, arrivals: u32) -> bool {
+    sync_cube();
+    let mut flag = Shared::<[u32]>::new_slice(1usize);
+    if UNIT_POS == 0 {
+        gpu_asm!("fence.acq_rel.gpu;");
+        let before = sync[at].fetch_add(1u32);
+        let mut last = 0u32;
+        if before + 1u32 == arrivals {
+            sync[at].store(0u32);
+            last = 1u32;
+        }
+        gpu_asm!("fence.acq_rel.gpu;");
+        flag[0] = last;
+    }
+    sync_cube();
+    flag[0] == 1u32
+}
+
+/// Splits merged per batch of loads in the folded combine (four accumulators a thread each).
+const FOLD_BATCH: usize = 8;
+
+/// The merge of [`combine_kernel`] for the `groups` query heads of K/V head `kvh` of launch row
+/// `local` (query row `row`), by the one cube that found every split state written
+/// ([`arrive_last`]): thread `id` takes head `id / (head_dim / 4)` of the group and four
+/// consecutive dimensions, loads its splits' accumulators, [`FOLD_BATCH`] splits in flight, and
+/// adds them in split order with the combine's arithmetic, so each output has the combine's
+/// bits. The states are read through the pointers the split kernel writes them with (`part`
+/// and `ml`): through a pointer the kernel never writes, the compiler could take them for
+/// read-only data and read them through the non-coherent cache, which need not hold what other
+/// cubes wrote.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn fold_combine(
+    part: &mut [f32],
+    ml: &mut [f32],
+    meta: &[i32],
+    out: &mut [bf16],
+    row: usize,
+    local: usize,
+    kvh: usize,
+    heads: usize,
+    stride: usize,
+    id: usize,
+    #[comptime] head_dim: usize,
+    #[comptime] groups: usize,
+    #[comptime] min_chunk: usize,
+) {
+    let quads = head_dim / 4;
+    let count = meta[2 * row + 1] as usize;
+    let chunk = split_chunk(count, min_chunk);
+    let mut splits = count.div_ceil(chunk);
+    if splits > stride {
+        splits = stride;
+    }
+    // Every (head, split) state's max and sum into shared memory, one load a thread per round.
+    let mut ms = Shared::<[f32]>::new_slice(groups * MAX_SPLITS);
+    let mut ls = Shared::<[f32]>::new_slice(groups * MAX_SPLITS);
+    let threads = MMA_WARPS * 32;
+    #[unroll]
+    for r in 0..(groups * MAX_SPLITS).div_ceil(threads) {
+        let e = r * threads + id;
+        let hh = e / MAX_SPLITS;
+        let s = e % MAX_SPLITS;
+        if hh < groups && s < splits {
+            let slot = (local * heads + kvh * groups + hh) * stride + s;
+            ms[e] = ml[2 * slot];
+            ls[e] = ml[2 * slot + 1];
+        }
+    }
+    sync_cube();
+    #[unroll]
+    for r in 0..(groups * quads).div_ceil(threads) {
+        let e = r * threads + id;
+        let hh = e / quads;
+        let quad = e % quads;
+        if hh < groups {
+            let head = kvh * groups + hh;
+            let base = (local * heads + head) * stride;
+            let mut big = f32::new(f32::NEG_INFINITY);
+            for s in 0..splits {
+                big = max(big, ms[hh * MAX_SPLITS + s]);
+            }
+            let mut l = 0.0f32;
+            let mut a0 = 0.0f32;
+            let mut a1 = 0.0f32;
+            let mut a2 = 0.0f32;
+            let mut a3 = 0.0f32;
+            let mut s0 = 0usize;
+            while s0 < splits {
+                let mut pv = Array::<f32>::new(4 * FOLD_BATCH);
+                #[unroll]
+                for b in 0..FOLD_BATCH {
+                    #[unroll]
+                    for c in 0..4usize {
+                        pv[4 * b + c] = 0.0f32;
+                        if s0 + b < splits {
+                            pv[4 * b + c] = part[(base + s0 + b) * head_dim + quad * 4 + c];
+                        }
+                    }
+                }
+                #[unroll]
+                for b in 0..FOLD_BATCH {
+                    if s0 + b < splits {
+                        let s = s0 + b;
+                        let c = (ms[hh * MAX_SPLITS + s] - big).exp();
+                        l = merge_term(l, ls[hh * MAX_SPLITS + s], c);
+                        a0 = merge_term(a0, pv[4 * b], c);
+                        a1 = merge_term(a1, pv[4 * b + 1], c);
+                        a2 = merge_term(a2, pv[4 * b + 2], c);
+                        a3 = merge_term(a3, pv[4 * b + 3], c);
+                    }
+                }
+                s0 += FOLD_BATCH;
+            }
+            let o = (row * heads + head) * head_dim + quad * 4;
+            out[o] = bf16::cast_from(a0 * (1.0f32 / l));
+            out[o + 1] = bf16::cast_from(a1 * (1.0f32 / l));
+            out[o + 2] = bf16::cast_from(a2 * (1.0f32 / l));
+            out[o + 3] = bf16::cast_from(a3 * (1.0f32 / l));
+        }
+    }
 }
 
 /// `out[r, h, d]`: the splits of row `r = row0 + x`, head `h` merged in split order (thread
@@ -956,8 +1119,8 @@ fn combine_kernel(
     for s in 0..MAX_SPLITS {
         if s < splits {
             let c = (ms[s] - big).exp();
-            l += ls[s] * c;
-            acc += pv[s] * c;
+            l = merge_term(l, ls[s], c);
+            acc = merge_term(acc, pv[s], c);
         }
     }
     out[(row * heads + head) * head_dim + d] = bf16::cast_from(acc * (1.0f32 / l));
@@ -992,15 +1155,25 @@ pub(crate) fn paged_attention(
     keys: &Tensor<1, Int>,
     meta: &Tensor<2, Int>,
     group: usize,
+    sync: Option<&Tensor<1, Int>>,
 ) -> Tensor<3> {
-    let y = <Dispatch as PagedAttentionOps>::paged_attention(
-        q.into_dispatch(),
-        k_pool.clone().into_dispatch(),
-        v_pool.clone().into_dispatch(),
-        keys.clone().cast(DType::I32).into_dispatch(),
-        meta.clone().cast(DType::I32).into_dispatch(),
-        group,
-    );
+    let (q, k_pool, v_pool) =
+        (q.into_dispatch(), k_pool.clone().into_dispatch(), v_pool.clone().into_dispatch());
+    let keys = keys.clone().cast(DType::I32).into_dispatch();
+    let meta = meta.clone().cast(DType::I32).into_dispatch();
+    // The counters are used in place (a cast would count in a copy), so only i32 ones are taken.
+    let y = match sync.filter(|s| s.dtype() == DType::I32) {
+        Some(sync) => <Dispatch as PagedAttentionOps>::paged_attention_synced(
+            q,
+            k_pool,
+            v_pool,
+            keys,
+            meta,
+            sync.clone().into_dispatch(),
+            group,
+        ),
+        None => <Dispatch as PagedAttentionOps>::paged_attention(q, k_pool, v_pool, keys, meta, group),
+    };
     Tensor::from_dispatch(y)
 }
 
@@ -1018,6 +1191,16 @@ fn mma_cubes(group: usize, groups: usize) -> (usize, usize) {
     (group.div_ceil(cubes), cubes)
 }
 
+/// Calls whose merge was folded into the split kernel, for tests (see [`crate::attention_folds`]).
+pub(crate) static FOLDS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counter words [`launch`] needs in `sync` to fold the combine into the split kernel for `rows`
+/// query rows over `kv_heads` K/V heads: one per (row of a launch, K/V head).
+pub(crate) fn sync_words(rows: usize, kv_heads: usize) -> usize {
+    const _: () = assert!(ROWS_PER_LAUNCH == 64, "crate::attention_sync_words assumes 64");
+    crate::attention_sync_words(rows.min(ROWS_PER_LAUNCH), kv_heads)
+}
+
 fn launch(
     q: CubeTensor,
     k: CubeTensor,
@@ -1025,6 +1208,7 @@ fn launch(
     keys: CubeTensor,
     meta: CubeTensor,
     group: usize,
+    sync: Option<CubeTensor>,
 ) -> CubeTensor {
     let contiguous = burn_cubecl::kernel::into_contiguous;
     let (q, k, v, keys, meta) =
@@ -1061,6 +1245,23 @@ fn launch(
     let ml_len = launch_rows * heads * stride * 2;
     let part = scratch(part_len);
     let ml = scratch(ml_len);
+    // The combine folded into the split kernel: cubes of one row, and a zeroed counter a
+    // (launch row, K/V head) from the caller. The merge is the combine's, so the bits are the
+    // same either way (and the same as a window's rows get from the combine kernel).
+    let sync = sync
+        .filter(|s| {
+            mma && group == 1
+                && crate::attention_fold()
+                && s.dtype == DType::I32
+                && s.meta.num_elements() >= sync_words(launch_rows, kv_heads)
+        })
+        .map(contiguous);
+    let fold = sync.is_some();
+    if fold {
+        FOLDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    let sync_handle = sync.as_ref().map_or_else(|| ml.handle.clone(), |s| s.handle.clone());
+    let sync_len = sync.as_ref().map_or(1, |s| s.meta.num_elements());
     for row0 in (0..rows).step_by(per_launch) {
         let n = launch_rows.min(rows - row0);
         // SAFETY: lengths are the buffers' sizes in the kernel's units; the split kernels read
@@ -1072,8 +1273,14 @@ fn launch(
         // cover rows `< n`; it takes `part` twice, as f32 and as 16-byte words, and writes it
         // through one of them only, chosen at compile time); the combine reads the slots the
         // splits of each row wrote (the same `split_chunk` of the same count, at most `stride`)
-        // and writes rows `row0 .. row0 + n` of `out` within `[rows, heads, head_dim]`. Launches of one call run in order on one
-        // stream, so each finds the scratch free.
+        // and writes rows `row0 .. row0 + n` of `out` within `[rows, heads, head_dim]`. With
+        // `fold` (cubes of one row, `group == 1`), the tensor-core kernel's cube `(x, y)` counts
+        // itself in at `sync[x · kv_heads + y]` (`x < n ≤ launch_rows`, so within the
+        // `sync_words(launch_rows, kv_heads)` the filter above asked for) and the last of the
+        // `stride` cubes of that counter reads back the states they wrote (through `part4`) and
+        // writes its row's heads of `out`, as the combine would; it leaves the counter zero, so
+        // every launch finds them all zero. Launches of one call run in order on one stream, so
+        // each finds the scratch free.
         unsafe {
             if mma {
                 super::pdl::before_launch(&client);
@@ -1093,6 +1300,8 @@ fn launch(
                     BufferArg::from_raw_parts(part.handle.clone(), part_len),
                     BufferArg::from_raw_parts(part.handle.clone(), part_len / 4),
                     BufferArg::from_raw_parts(ml.handle.clone(), ml_len),
+                    BufferArg::from_raw_parts(sync_handle.clone(), sync_len),
+                    BufferArg::from_raw_parts(out.handle.clone(), rows * heads * head_dim),
                     row0 as u32,
                     n as u32,
                     stride as u32,
@@ -1105,7 +1314,11 @@ fn launch(
                     groups,
                     group > 1,
                     min_chunk,
+                    fold,
                 );
+                if fold {
+                    continue;
+                }
             } else {
                 super::pdl::before_launch(&client);
                 paged_attention_split_kernel::launch_unchecked(
@@ -1165,6 +1378,18 @@ pub trait PagedAttentionOps: burn::backend::Backend {
         meta: burn::backend::tensor::IntTensor<Self>,
         group: usize,
     ) -> burn::backend::tensor::FloatTensor<Self>;
+
+    /// See [`crate::paged_attention_synced`]: `sync` holds zeroed i32 counters, left zero.
+    #[fusion(dtype = q, shape = same_shape(q))]
+    fn paged_attention_synced(
+        q: burn::backend::tensor::FloatTensor<Self>,
+        k_pool: burn::backend::tensor::FloatTensor<Self>,
+        v_pool: burn::backend::tensor::FloatTensor<Self>,
+        keys: burn::backend::tensor::IntTensor<Self>,
+        meta: burn::backend::tensor::IntTensor<Self>,
+        sync: burn::backend::tensor::IntTensor<Self>,
+        group: usize,
+    ) -> burn::backend::tensor::FloatTensor<Self>;
 }
 
 impl PagedAttentionOps for CubeBackend {
@@ -1176,7 +1401,19 @@ impl PagedAttentionOps for CubeBackend {
         meta: CubeTensor,
         group: usize,
     ) -> CubeTensor {
-        launch(q, k, v, keys, meta, group)
+        launch(q, k, v, keys, meta, group, None)
+    }
+
+    fn paged_attention_synced(
+        q: CubeTensor,
+        k: CubeTensor,
+        v: CubeTensor,
+        keys: CubeTensor,
+        meta: CubeTensor,
+        sync: CubeTensor,
+        group: usize,
+    ) -> CubeTensor {
+        launch(q, k, v, keys, meta, group, Some(sync))
     }
 }
 
@@ -1190,14 +1427,16 @@ pub(crate) fn offline_attention(
     use super::offline::{offline_kernel, transpile};
     let mut all = Vec::new();
     if head_dim <= 128 {
-        for wide in [false, true] {
+        // Windows (`wide`), and one-row cubes with the combine apart or folded in.
+        for (wide, fold) in [(false, false), (true, false), (false, true)] {
+            let name = if fold { " fold" } else { "" };
             all.push(transpile(
-                &format!("paged_attention_mma: head_dim={head_dim} groups={groups} wide={wide}"),
+                &format!("paged_attention_mma: head_dim={head_dim} groups={groups} wide={wide}{name}"),
                 offline_kernel!(
                     paged_attention_mma_kernel::PagedAttentionMmaKernel,
                     CubeDim::new_2d(32, MMA_WARPS as u32);
-                    b b b b b b b b s s s s s s s s;
-                    head_dim, groups, wide, crate::attention_min_chunk()
+                    b b b b b b b b b b s s s s s s s s;
+                    head_dim, groups, wide, crate::attention_min_chunk(), fold
                 ),
             ));
         }

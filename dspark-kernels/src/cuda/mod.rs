@@ -5,6 +5,7 @@
 
 pub(crate) mod accept;
 pub(crate) mod attention;
+pub(crate) mod chain;
 pub(crate) mod confidence;
 pub(crate) mod copy;
 pub(crate) mod floor;

@@ -249,6 +249,7 @@ enum Variant {
     QkvStore { heads: usize, kv_heads: usize, head_dim: usize, idx_words: usize },
     Attention { head_dim: usize, groups: usize },
     Confidence { hd: usize, rank: usize },
+    Chain(super::chain::ChainVariant),
 }
 
 impl Variant {
@@ -267,6 +268,7 @@ impl Variant {
                 .into_iter()
                 .map(|with_tokens| super::confidence::offline_confidence(hd, rank, with_tokens))
                 .collect(),
+            Variant::Chain(v) => vec![super::chain::offline_chain(v)],
         }
     }
 }
@@ -344,6 +346,26 @@ fn variants(models: &[ModelDims]) -> std::collections::BTreeSet<Variant> {
             }
         }
         all.insert(Variant::Attention { head_dim: m.head_dim, groups: m.heads / m.kv_heads });
+        // A layer's chained tail, for every row count it takes: bf16, and a draft's FP8 with
+        // per-row or per-block scales for o and down; with the prefetch depths the benchmarks
+        // take (`--chain-prefetch 1|2|8`; 2 the default).
+        let hq = m.heads * m.head_dim;
+        let mut weights = vec![None];
+        if m.draft.is_some() {
+            weights.extend([false, true].into_iter().map(|blocked| Some((blocked, blocked))));
+        }
+        let depth = crate::chain_prefetch();
+        for early in super::chain::PREFETCH_DEPTHS {
+            crate::set_chain_prefetch(early);
+            for rows in 1..=super::chain::CHAIN_MAX_ROWS {
+                for &fp8 in &weights {
+                    if let Some(v) = super::chain::variant(rows, m.hidden, hq, m.intermediate, fp8) {
+                        all.insert(Variant::Chain(v));
+                    }
+                }
+            }
+        }
+        crate::set_chain_prefetch(depth);
         // A draft's confidence head, with and without the Markov embedding term.
         if let Some((_, rank)) = m.draft {
             for rank in [rank, 0] {

@@ -875,7 +875,8 @@ impl DSparkDraft {
                 meta.extend([first, (context + gamma) as i32]);
             }
         }
-        Ok(Some(AttnPlan::upload(keys, meta, new_rows, gamma, &self.device)))
+        // Blocks of γ rows: no counters (their splits are merged apart; see `paged_attention_synced`).
+        Ok(Some(AttnPlan::upload(keys, meta, new_rows, gamma, 0, &self.device)))
     }
 
     /// Whether this draft's K/V go through the page-table path (the paged attention kernel

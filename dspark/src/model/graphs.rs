@@ -3,8 +3,8 @@
 //!
 //! A model that records its forwards keeps two input buffers on the device, written in place
 //! before every replay: `ints` (burn's index dtype: token ids, positions, K/V rows, picked
-//! rows) and `tables` (i32: `[first, len]` per query row, then the page table of every row's
-//! keys).
+//! rows) and `tables` (i32: `[first, len]` per query row, the attention's zeroed counters, then
+//! the page table of every row's keys).
 //! Their lengths are fixed when the first graph is recorded (the page table holds every row of
 //! the cache's pool, which bounds the keys of any batch), so every graph of the model reads the
 //! same buffers, each through views of the lengths its shape needs.
@@ -25,6 +25,23 @@ use super::layer::AttnPlan;
 /// The largest number of rows a recorded forward has: verify windows and draft rounds of up to
 /// 16 lanes at γ = 7 (128 and 112 rows). Wider ones run op by op.
 pub(crate) const MAX_GRAPH_ROWS: usize = 128;
+
+/// i32 counters in `tables` after the per-row `[first, len]` pairs, zeroed by every write of the
+/// tables (the kernels leave them zero too): the attention's, enough for 64 rows of a launch
+/// over 16 K/V heads (see [`dspark_kernels::attention_sync_words`]; models with more K/V heads
+/// merge their splits apart), then [`TAIL_SYNC`] for the layer tails. Multiples of
+/// [`dspark_kernels::INT_VIEW_ALIGN`], so each view, and the keys after them, start aligned.
+const SYNC_CAP: usize = 1024;
+/// The layer tails' counters ([`dspark_kernels::LAYER_TAIL_SYNC_WORDS`], aligned).
+const TAIL_SYNC: usize = dspark_kernels::INT_VIEW_ALIGN;
+
+/// Where the page table of the keys starts in `tables`.
+const KEYS_AT: usize = 2 * MAX_GRAPH_ROWS + SYNC_CAP + TAIL_SYNC;
+const _: () = assert!(
+    SYNC_CAP.is_multiple_of(dspark_kernels::INT_VIEW_ALIGN)
+        && KEYS_AT.is_multiple_of(dspark_kernels::INT_VIEW_ALIGN)
+        && TAIL_SYNC >= dspark_kernels::LAYER_TAIL_SYNC_WORDS
+);
 
 /// Index-dtype inputs a recorded forward may have: up to seven sections of at most
 /// [`MAX_GRAPH_ROWS`] values, each starting at a multiple of [`dspark_kernels::INT_VIEW_ALIGN`]
@@ -113,10 +130,18 @@ impl DeviceInputs {
     /// `group` as in [`AttnPlan`].
     pub fn plan(&self, rows: usize, new_rows_offset: usize, group: usize) -> AttnPlan {
         AttnPlan {
-            keys: dspark_kernels::int_view(self.tables.clone(), 2 * MAX_GRAPH_ROWS, self.keys_cap),
+            keys: dspark_kernels::int_view(self.tables.clone(), KEYS_AT, self.keys_cap),
             meta: dspark_kernels::int_view(self.tables.clone(), 0, 2 * rows).reshape([rows, 2]),
             new_rows: self.ints(new_rows_offset, rows),
             group,
+            // Blocks of several rows never fold (see `paged_attention_synced`): no view for them.
+            sync: (group == 1)
+                .then(|| dspark_kernels::int_view(self.tables.clone(), 2 * MAX_GRAPH_ROWS, SYNC_CAP)),
+            tail_sync: Some(dspark_kernels::int_view(
+                self.tables.clone(),
+                2 * MAX_GRAPH_ROWS + SYNC_CAP,
+                TAIL_SYNC,
+            )),
         }
     }
 }
@@ -241,7 +266,7 @@ impl Graphs {
             let i32s = TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
             let (ints, tables) = crate::device::persistent(device, (), |()| {
                 let ints = Tensor::zeros([ints_cap], device);
-                (ints, Tensor::zeros([keys_cap + 2 * MAX_GRAPH_ROWS], i32s.clone()))
+                (ints, Tensor::zeros([keys_cap + KEYS_AT], i32s.clone()))
             });
             *guard = Some(Bound {
                 cache,
@@ -282,9 +307,9 @@ impl Graphs {
         // Each buffer's values in one write (on CUDA one host-to-device copy). The replay below
         // is what reads them, so the next call's writes come after it.
         bound.ints.write(&host.ints);
-        // Only the keys in use are written; the rest of the table is never read.
+        // The counters as zeros, and only the keys in use; the rest of the table is never read.
         let mut table = host.meta;
-        table.resize(2 * MAX_GRAPH_ROWS, 0);
+        table.resize(KEYS_AT, 0);
         table.extend_from_slice(&host.keys);
         bound.tables.write(&table);
         if let Some(f) = host.floats {

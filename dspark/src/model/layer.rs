@@ -228,32 +228,57 @@ pub(crate) enum Weight {
 /// and how many it sees (`meta`, `[rows, 2]`), and the physical rows the batch's new K/V go to
 /// (`new_rows`, in row order). Built once per forward, read by every layer. `group`: rows per
 /// sequence when every sequence has as many (they share a key table; see
-/// [`dspark_kernels::paged_attention_grouped`]), else 1.
+/// [`dspark_kernels::paged_attention_grouped`]), else 1. `sync`: zeroed i32 counters for
+/// [`dspark_kernels::paged_attention_synced`], and `tail_sync` for
+/// [`dspark_kernels::layer_tail`] (each layer's kernels leave them zero for the next), where the
+/// forward has them.
 #[derive(Debug, Clone)]
 pub(crate) struct AttnPlan {
     pub keys: Tensor<1, Int>,
     pub meta: Tensor<2, Int>,
     pub new_rows: Tensor<1, Int>,
     pub group: usize,
+    pub sync: Option<Tensor<1, Int>>,
+    pub tail_sync: Option<Tensor<1, Int>>,
 }
 
 impl AttnPlan {
     /// The tables on `device`: `keys` and `meta` as i32 (what the kernel reads), `new_rows` as
-    /// burn's index type (what the K/V row assignment takes).
+    /// burn's index type (what the K/V row assignment takes), and where the kernels run
+    /// `sync_words` zeroed attention counters (none for 0) and the layer tails' counters.
     pub(crate) fn upload(
         keys: Vec<i32>,
         meta: Vec<i32>,
         new_rows: Vec<i64>,
         group: usize,
+        sync_words: usize,
         device: &Device,
     ) -> Self {
         let opts = || burn::tensor::TensorCreationOptions::new(device.clone()).with_dtype(DType::I32);
         let (n, rows, new) = (keys.len(), meta.len() / 2, new_rows.len());
+        let kernels = dspark_kernels::kernels_available(device);
+        let sync = (sync_words > 0 && kernels).then(|| Tensor::zeros([sync_words], opts()));
+        let tail_sync = kernels.then(|| Tensor::zeros([dspark_kernels::LAYER_TAIL_SYNC_WORDS], opts()));
         Self {
             keys: Tensor::from_data(TensorData::new(keys, [n]), opts()),
             meta: Tensor::from_data(TensorData::new(meta, [rows, 2]), opts()),
             new_rows: Tensor::from_data(TensorData::new(new_rows, [new]), device),
             group,
+            sync,
+            tail_sync,
+        }
+    }
+
+    /// Attention of `q` over the pools through these tables (see
+    /// [`dspark_kernels::paged_attention_grouped`]), with the counters where there are some.
+    pub(crate) fn attend(&self, q: Tensor<3>, k_pool: &Tensor<3>, v_pool: &Tensor<3>) -> Tensor<3> {
+        match &self.sync {
+            Some(sync) => dspark_kernels::paged_attention_synced(
+                q, k_pool, v_pool, &self.keys, &self.meta, self.group, sync,
+            ),
+            None => {
+                dspark_kernels::paged_attention_grouped(q, k_pool, v_pool, &self.keys, &self.meta, self.group)
+            }
         }
     }
 }
@@ -724,10 +749,8 @@ impl DecoderLayer {
             let (k_pool, v_pool) = cache
                 .pools(layer)
                 .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
-            let attn = dspark_kernels::paged_attention_grouped(
-                q, &k_pool, &v_pool, &plan.keys, &plan.meta, plan.group,
-            );
-            return Ok(self.finish(x, attn, next_norm));
+            let attn = plan.attend(q, &k_pool, &v_pool);
+            return Ok(self.finish(x, attn, next_norm, plan.tail_sync.as_ref()));
         }
         // 1-2. projections, per-head norms, RoPE.
         let (q, k, v) = self.qkv(h, cos, sin);
@@ -750,7 +773,7 @@ impl DecoderLayer {
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 4-5. output projection, MLP, residuals.
-        Ok(self.finish(x, attn, next_norm))
+        Ok(self.finish(x, attn, next_norm, None))
     }
 
     /// q/k/v projections of the normed input `h`, per-head RMSNorm and RoPE.
@@ -807,10 +830,32 @@ impl DecoderLayer {
     ///
     /// # Shapes
     /// `x`: `[rows, hidden]`, `attn`: `[rows, heads, hd]` → (`[rows, hidden]`, `[rows, hidden]`).
-    fn finish(&self, x: Tensor<2>, attn: Tensor<3>, next_norm: &Tensor<1>) -> (Tensor<2>, Tensor<2>) {
+    fn finish(
+        &self,
+        x: Tensor<2>,
+        attn: Tensor<3>,
+        next_norm: &Tensor<1>,
+        sync: Option<&Tensor<1, Int>>,
+    ) -> (Tensor<2>, Tensor<2>) {
         let LayerShape { heads, head_dim, intermediate, eps, .. } = self.shape;
         let rows = x.dims()[0];
         let attn = attn.reshape([rows, heads * head_dim]);
+        // The whole tail as one launch where the kernels chain it (the same bits).
+        let weights = match (&self.o_proj.0, &self.mlp_in, &self.down_proj.0) {
+            (
+                ProjKind::Burn { weight: o, transposed: false },
+                MlpIn::Paired(gate_up),
+                ProjKind::Burn { weight: down, transposed: false },
+            ) => Some(dspark_kernels::TailWeights::Bf16 { o, gate_up, down }),
+            (ProjKind::Fp8(o), MlpIn::PairedFp8(gate_up), ProjKind::Fp8(down)) => {
+                Some(dspark_kernels::TailWeights::Fp8 { o, gate_up, down })
+            }
+            _ => None,
+        };
+        if let (Some(sync), Some(weights)) = (sync, weights) {
+            let norms = (&self.post_attention_layernorm, next_norm);
+            return dspark_kernels::layer_tail(x, attn, norms, weights, eps, Some(sync));
+        }
         let (x, h) = self.o_proj.apply_add_norm(x, attn, &self.post_attention_layernorm, eps);
         let act = match &self.mlp_in {
             MlpIn::Fused(w) => {
@@ -945,7 +990,7 @@ impl DecoderLayer {
         }
         let attn = if outs.len() == 1 { outs.remove(0) } else { Tensor::cat(outs, 0) };
         // 3. output projection, MLP, residuals.
-        self.finish(x, attn, next_norm)
+        self.finish(x, attn, next_norm, None)
     }
 
     /// [`DecoderLayer::forward_block`] through the paged kernel: the block's K/V go to the
@@ -970,9 +1015,8 @@ impl DecoderLayer {
         let (k_pool, v_pool) = cache
             .pools(layer)
             .ok_or_else(|| crate::error::Error::InvalidInput(format!("no K/V pool for layer {layer}")))?;
-        let attn =
-            dspark_kernels::paged_attention_grouped(q, &k_pool, &v_pool, &plan.keys, &plan.meta, plan.group);
-        Ok(self.finish(x, attn, next_norm))
+        let attn = plan.attend(q, &k_pool, &v_pool);
+        Ok(self.finish(x, attn, next_norm, plan.tail_sync.as_ref()))
     }
 }
 

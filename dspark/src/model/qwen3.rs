@@ -636,6 +636,10 @@ impl Qwen3 {
                 plan.meta.extend([first as i32, (s.start + i + 1) as i32]);
             }
         }
+        if plan.group == 1 {
+            plan.sync_words =
+                dspark_kernels::attention_sync_words(plan.meta.len() / 2, self.config.num_key_value_heads);
+        }
         Ok(Some(plan))
     }
 
@@ -655,12 +659,15 @@ pub(crate) struct HostPlan {
     pub meta: Vec<i32>,
     pub new_rows: Vec<i64>,
     pub group: usize,
+    /// Counter words the attention of one-row groups folds its merge with (see
+    /// [`dspark_kernels::paged_attention_synced`]).
+    pub sync_words: usize,
 }
 
 impl HostPlan {
     /// The tables on `device`, for a forward run op by op.
     pub(crate) fn upload(self, device: &Device) -> AttnPlan {
-        AttnPlan::upload(self.keys, self.meta, self.new_rows, self.group, device)
+        AttnPlan::upload(self.keys, self.meta, self.new_rows, self.group, self.sync_words, device)
     }
 }
 
