@@ -2032,6 +2032,37 @@ fn markov_greedy_matches_unfused() {
     }
 }
 
+/// `layer_tail` on `x` and `a` without counters (the unfused calls), then chained twice on
+/// `sync`: both outputs of the chained launch bit for bit the unfused ones, and the counters left
+/// zero. Returns the unfused `(x2, h2)`, all finite; outputs are poisoned before each call.
+fn chained_equals_unfused(
+    x: &Tensor<2>,
+    a: &Tensor<2>,
+    norms: (&Tensor<1>, &Tensor<1>),
+    weights: dspark_kernels::TailWeights,
+    sync: &Tensor<1, burn::tensor::Int>,
+    what: &str,
+) -> (Vec<f32>, Vec<f32>) {
+    let [rows, d] = x.dims();
+    let tail = |sync: Option<&Tensor<1, burn::tensor::Int>>| {
+        poison(rows * d, &x.device());
+        let (x2, h2) = dspark_kernels::layer_tail(x.clone(), a.clone(), norms, weights, 1e-6, sync);
+        (host(x2), host(h2))
+    };
+    let apart = tail(None);
+    assert!(apart.0.iter().chain(&apart.1).all(|v| v.is_finite()), "{what}: not finite");
+    let chains = dspark_kernels::layer_chains();
+    for pass in 0..2 {
+        let chained = tail(Some(sync));
+        assert!(dspark_kernels::layer_chains() > chains, "{what}: the chain did not run");
+        assert_eq!(chained.0, apart.0, "{what}: residual differs (pass {pass})");
+        assert_eq!(chained.1, apart.1, "{what}: normed output differs (pass {pass})");
+        let left = sync.clone().into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
+        assert!(left.iter().all(|&c| c == 0), "{what}: counters left {left:?}");
+    }
+    apart
+}
+
 /// A layer's tail chained into one launch (`layer_tail` with counters) against the same calls
 /// without (three calls, five launches): the same bits for both outputs at Qwen3-8B widths, for
 /// every row count the chain takes (1 and 2 activation tiles, rows within a tile), and for each
@@ -2056,23 +2087,8 @@ fn layer_tail_matches_unfused() {
             let x = random(rows, d, 1.0, &device);
             let a = random(rows, hq, 1.0, &device);
             let what = format!("layer_tail rows {rows} norm threads {threads}");
-            let tail = |sync: Option<&Tensor<1, burn::tensor::Int>>| {
-                poison(rows * d, &device);
-                let weights = dspark_kernels::TailWeights::Bf16 { o: &w_o, gate_up: &w_gu, down: &w_d };
-                let (x2, h2) =
-                    dspark_kernels::layer_tail(x.clone(), a.clone(), (&n1, &n2), weights, eps, sync);
-                (host(x2), host(h2))
-            };
-            let apart = tail(None);
-            let chains = dspark_kernels::layer_chains();
-            for pass in 0..2 {
-                let chained = tail(Some(&sync));
-                assert!(dspark_kernels::layer_chains() > chains, "{what}: the chain did not run");
-                assert_eq!(chained.0, apart.0, "{what}: residual differs (pass {pass})");
-                assert_eq!(chained.1, apart.1, "{what}: normed output differs (pass {pass})");
-                let left = sync.clone().into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
-                assert!(left.iter().all(|&c| c == 0), "{what}: counters left {left:?}");
-            }
+            let weights = dspark_kernels::TailWeights::Bf16 { o: &w_o, gate_up: &w_gu, down: &w_d };
+            let apart = chained_equals_unfused(&x, &a, (&n1, &n2), weights, &sync, &what);
             if threads == 1024 {
                 // The plain-burn bodies (f32 sums in burn's order): within bf16 rounding.
                 let (x1, h1) = dspark_kernels::reference::add_rms_norm(
@@ -2111,7 +2127,7 @@ fn layer_tail_fp8_matches_unfused() {
     use dspark_kernels::fp8::ScaleGrid;
     let _lock = PLAN_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let device = cuda();
-    let (d, hq, inter, eps) = (4096usize, 4096usize, 12288usize, 1e-6);
+    let (d, hq, inter) = (4096usize, 4096usize, 12288usize);
     let gate = Fp8Case::new(inter, d, ScaleGrid::PerRow, 901, &device);
     let up = Fp8Case::new(inter, d, ScaleGrid::PerRow, 902, &device);
     let gate_up = dspark_kernels::Fp8Matrix::pair_gate_up(&gate.m, &up.m).unwrap();
@@ -2128,23 +2144,7 @@ fn layer_tail_fp8_matches_unfused() {
             let x = random(rows, d, 1.0, &device);
             let a = random(rows, hq, 1.0, &device);
             let what = format!("layer_tail fp8 {grid:?} rows {rows}");
-            let tail = |sync: Option<&Tensor<1, burn::tensor::Int>>| {
-                poison(rows * d, &device);
-                let (x2, h2) =
-                    dspark_kernels::layer_tail(x.clone(), a.clone(), (&n1, &n2), weights, eps, sync);
-                (host(x2), host(h2))
-            };
-            let apart = tail(None);
-            assert!(apart.0.iter().chain(&apart.1).all(|v| v.is_finite()), "{what}: not finite");
-            let chains = dspark_kernels::layer_chains();
-            for pass in 0..2 {
-                let chained = tail(Some(&sync));
-                assert!(dspark_kernels::layer_chains() > chains, "{what}: the chain did not run");
-                assert_eq!(chained.0, apart.0, "{what}: residual differs (pass {pass})");
-                assert_eq!(chained.1, apart.1, "{what}: normed output differs (pass {pass})");
-                let left = sync.clone().into_data().convert::<i32>().try_into_vec::<i32>().unwrap();
-                assert!(left.iter().all(|&c| c == 0), "{what}: counters left {left:?}");
-            }
+            chained_equals_unfused(&x, &a, (&n1, &n2), weights, &sync, &what);
         }
     }
     dspark_kernels::set_layer_chain(chain_was);

@@ -113,12 +113,15 @@ fn finish_task(sync: &[Atomic<u32>], at: usize) -> u32 {
     before[0]
 }
 
-/// One product's cube `(block, split)`: [`gemm_block`] for bf16 weights, [`fp8_gemm_block`] for
-/// FP8 ones (`scales` per row, or per 128×128 block when `blocked`); `x_words` is the
-/// activation row's width in 16-byte words, `early` as there.
+/// One product's cube `(block, split)` of a chained launch, counted at `sync[phase + 1]` when
+/// done: [`gemm_block`] for bf16 weights, [`fp8_gemm_block`] for FP8 ones (`scales` per row, or
+/// per 128×128 block when `blocked`), `x_words` the activation row's width in 16-byte words.
+/// Past phase 0 it first loads its first `early` chunk slots of weights
+/// ([`gemm_first_weights`]; an FP8 row has half the words of its bf16 activation row), then waits
+/// until `sync[phase]` counts `target` finished tasks of the phase before it.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn product_cube(
+fn chained_product(
     x: &mut [Words],
     w: &[Words],
     scales: &[f32],
@@ -126,6 +129,7 @@ fn product_cube(
     parts: &mut [f32],
     logits: &[bf16],
     slots: &[Atomic<u64>],
+    sync: &[Atomic<u32>],
     rows: usize,
     x_words: usize,
     out: usize,
@@ -133,8 +137,8 @@ fn product_cube(
     pow2_120: f32,
     block: usize,
     split: usize,
-    wa: &mut Array<Words>,
-    wb: &mut Array<Words>,
+    target: u32,
+    #[comptime] phase: usize,
     #[comptime] tiles: usize,
     #[comptime] unroll: usize,
     #[comptime] splits: usize,
@@ -144,39 +148,26 @@ fn product_cube(
     #[comptime] early: usize,
     #[comptime] fp8: bool,
 ) {
+    let mut wa = Array::<Words>::new(unroll * mtiles);
+    let mut wb = Array::<Words>::new(unroll * mtiles);
+    let early = comptime!(if phase > 0 { early } else { 0 });
+    if comptime![phase > 0] {
+        let w_words = if comptime![fp8] { x_words / 2 } else { x_words };
+        gemm_first_weights(w, &mut wa, &mut wb, w_words, block, split, WARPS, unroll, splits, mtiles, early);
+        wait_for(sync, phase, target);
+    }
     if comptime![fp8] {
         fp8_gemm_block(
             x, w, scales, y, parts, logits, slots, rows, x_words, out, scale_cols, pow2_120, 0usize, block,
-            split, wa, wb, tiles, WARPS, unroll, blocked, splits, mtiles, swiglu, false, early,
+            split, &mut wa, &mut wb, tiles, WARPS, unroll, blocked, splits, mtiles, swiglu, false, early,
         );
     } else {
         gemm_block(
-            x, w, y, parts, logits, slots, rows, x_words, out, 0usize, block, split, wa, wb, tiles, WARPS,
-            unroll, splits, swiglu, mtiles, false, early,
+            x, w, y, parts, logits, slots, rows, x_words, out, 0usize, block, split, &mut wa, &mut wb, tiles,
+            WARPS, unroll, splits, swiglu, mtiles, false, early,
         );
     }
-}
-
-/// The first `early` chunk slots of the first step's weight words of [`product_cube`]'s cube
-/// `(block, split)`, loaded before it waits (an FP8 row has half the words of its bf16
-/// activation row).
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn product_first_weights(
-    w: &[Words],
-    wa: &mut Array<Words>,
-    wb: &mut Array<Words>,
-    x_words: usize,
-    block: usize,
-    split: usize,
-    #[comptime] unroll: usize,
-    #[comptime] splits: usize,
-    #[comptime] mtiles: usize,
-    #[comptime] early: usize,
-    #[comptime] fp8: bool,
-) {
-    let w_words = if comptime![fp8] { x_words / 2 } else { x_words };
-    gemm_first_weights(w, wa, wb, w_words, block, split, WARPS, unroll, splits, mtiles, early);
+    finish_task(sync, phase + 1);
 }
 
 /// The launch: see the module doc. Phases, in ticket order:
@@ -272,9 +263,7 @@ fn chain_kernel(
     let mut staged = Shared::<[f32]>::new_slice(d);
     let task = take_ticket(sync) as usize;
     if task < end_o {
-        let mut wa = Array::<Words>::new(o_unroll * o_mt);
-        let mut wb = Array::<Words>::new(o_unroll * o_mt);
-        product_cube(
+        chained_product(
             a,
             w_o,
             s_o,
@@ -282,6 +271,7 @@ fn chain_kernel(
             parts,
             norm1,
             slots,
+            sync,
             rows,
             hq_words,
             d,
@@ -289,18 +279,17 @@ fn chain_kernel(
             pow2_120,
             task % o_blocks,
             task / o_blocks,
-            &mut wa,
-            &mut wb,
+            0u32,
+            0usize,
             tiles,
             o_unroll,
             o_splits,
             o_mt,
             o_blocked,
             false,
-            0usize,
+            early,
             fp8,
         );
-        finish_task(sync, 1usize);
     } else if task < end_n1 {
         let row = task - end_o;
         wait_for(sync, 1usize, end_o as u32);
@@ -324,12 +313,7 @@ fn chain_kernel(
         );
         finish_task(sync, 2usize);
     } else if task < end_gu {
-        let t = task - end_n1;
-        let mut wa = Array::<Words>::new(gu_unroll * gu_mt);
-        let mut wb = Array::<Words>::new(gu_unroll * gu_mt);
-        product_first_weights(w_gu, &mut wa, &mut wb, d / 8, t, 0usize, gu_unroll, 1usize, gu_mt, early, fp8);
-        wait_for(sync, 2usize, rows as u32);
-        product_cube(
+        chained_product(
             h1w,
             w_gu,
             s_gu,
@@ -337,15 +321,16 @@ fn chain_kernel(
             parts,
             norm1,
             slots,
+            sync,
             rows,
             d / 8,
             inter_words * 8 * 2,
             1usize,
             pow2_120,
-            t,
+            task - end_n1,
             0usize,
-            &mut wa,
-            &mut wb,
+            rows as u32,
+            2usize,
             tiles,
             gu_unroll,
             1usize,
@@ -355,26 +340,9 @@ fn chain_kernel(
             early,
             fp8,
         );
-        finish_task(sync, 3usize);
     } else if task < end_d {
         let t = task - end_gu;
-        let mut wa = Array::<Words>::new(d_unroll * d_mt);
-        let mut wb = Array::<Words>::new(d_unroll * d_mt);
-        product_first_weights(
-            w_d,
-            &mut wa,
-            &mut wb,
-            inter_words,
-            t % d_blocks,
-            t / d_blocks,
-            d_unroll,
-            d_splits,
-            d_mt,
-            early,
-            fp8,
-        );
-        wait_for(sync, 3usize, gu_blocks as u32);
-        product_cube(
+        chained_product(
             actw,
             w_d,
             s_d,
@@ -382,6 +350,7 @@ fn chain_kernel(
             parts,
             norm2,
             slots,
+            sync,
             rows,
             inter_words,
             d,
@@ -389,8 +358,8 @@ fn chain_kernel(
             pow2_120,
             t % d_blocks,
             t / d_blocks,
-            &mut wa,
-            &mut wb,
+            gu_blocks as u32,
+            3usize,
             tiles,
             d_unroll,
             d_splits,
@@ -400,7 +369,6 @@ fn chain_kernel(
             early,
             fp8,
         );
-        finish_task(sync, 4usize);
     } else {
         let row = task - end_d;
         // Phase 1 finished before any down cube started (they waited for gate/up, which waited
