@@ -513,8 +513,8 @@ fn launch(
     let [(w_o, s_o), (w_gu, s_gu), (w_d, s_d)] = w.map(|(w, s)| (contiguous(w), contiguous(s)));
     let [rows, d] = [x.meta.shape()[0], x.meta.shape()[1]];
     let hq = a.meta.shape()[1];
-    // Weight words a row: bf16 pairs (`in / 2`) or e4m3 quadruples (`in / 4`).
-    let inter = w_d.meta.shape()[1] * if fp8.is_some() { 4 } else { 2 };
+    // The down weight's columns: bf16 elements, or i32 words of four e4m3 bytes.
+    let inter = w_d.meta.shape()[1] * if fp8.is_some() { 4 } else { 1 };
     let v = variant(rows, d, hq, inter, fp8).expect("layer_tail: the caller checked the variant");
     CHAINS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let client = x.client.clone();
