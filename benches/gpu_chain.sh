@@ -23,7 +23,7 @@
 #          bench only while the call has time left).
 # Every phase packs what it wrote under $OUT into one archive ($OUT/chain.tgz): a call returns
 # only a few files.
-# Usage: benches/gpu_chain.sh check|bench|all|one
+# Usage: benches/gpu_chain.sh check|bench|all|one|short|last
 set -uo pipefail
 OUT=${OUT:-out/results}
 PHASE=${1:-check}
@@ -79,8 +79,50 @@ one() {
     echo "(${SECONDS} s into the call)"
 }
 
+# `one` trimmed to under five minutes: the kernel checks, the Qwen3-8B-shape engine test and
+# the trained pair, then bench-target on/off and bench-draft on while there is time.
+short() {
+    gpu_test gpu_kernels 90 gpu_kernels-chain.log layer_tail paged_attention_matches_reference \
+        skinny_gemm_is_batch_invariant rms_norm_kernels_match_reference
+    grep -E "rel err vs plain" "$OUT/gpu_kernels-chain.log" | head -3
+    DSPARK_GPU_SWITCHES=layer-chain,attn-fold gpu_test gpu_golden 110 gpu_golden-chain.log \
+        qwen3_8b_shapes_are_batch_invariant trained_pair_greedy
+    grep -E "chained layer tails" "$OUT/gpu_golden-chain.log" | head -2
+    echo "(${SECONDS} s into the call)"
+    local on="--layer-chain on --attn-fold on"
+    for flags in "$on" ""; do
+        [ "$SECONDS" -lt 200 ] || break
+        # shellcheck disable=SC2086
+        gpu_bench bench-target 45 --device cuda --dtype bf16 --lanes 1,16 --context 512 --steps 20 \
+            --windows 8,16 $flags
+        grep -E "^\| cuda .*\| (8|16) \|" "$OUT/$GPU_BENCH_RUNS-bench-target.md" | cut -c1-200
+    done
+    [ "$SECONDS" -lt 240 ] && gpu_bench bench-draft 60 --layouts 7c --weights fp8h,bf16 --reps 20 --context 512 $on
+    echo "(${SECONDS} s into the call)"
+}
+
+# What about three minutes hold: the bf16 and FP8 tail and the fold against the separate
+# launches, bench-target on/off at one lane, then the Qwen3-8B-shape engine test if time is left.
+last() {
+    gpu_test gpu_kernels 70 gpu_kernels-chain.log layer_tail paged_attention_matches_reference
+    local on="--layer-chain on --attn-fold on"
+    for flags in "$on" ""; do
+        # shellcheck disable=SC2086
+        gpu_bench bench-target 40 --device cuda --dtype bf16 --lanes 1 --context 512 --steps 20 --windows 8 $flags
+        grep -E "^\| cuda .*\| 8 \|" "$OUT/$GPU_BENCH_RUNS-bench-target.md" | cut -c1-200
+    done
+    echo "(${SECONDS} s into the call)"
+    local left=$((185 - SECONDS))
+    [ "$left" -gt 40 ] && DSPARK_GPU_SWITCHES=layer-chain,attn-fold gpu_test gpu_golden "$left" \
+        gpu_golden-chain.log qwen3_8b_shapes_are_batch_invariant
+    grep -E "chained layer tails" "$OUT/gpu_golden-chain.log" | head -2
+    echo "(${SECONDS} s into the call)"
+}
+
 case "$PHASE" in
 check) check ;;
+short) short ;;
+last) last ;;
 bench) bench ;;
 one) one ;;
 all)
@@ -88,7 +130,7 @@ all)
     bench
     ;;
 *)
-    echo "usage: $0 check|bench|all|one" >&2
+    echo "usage: $0 check|bench|all|one|short|last" >&2
     exit 2
     ;;
 esac
